@@ -1,0 +1,77 @@
+"""monarch_nb: a Jupyter-native, fault-tolerant distributed training environment (PyTorch Monarch's API).
+
+    from monarch_nb import Actor, endpoint, this_host
+
+Names load lazily, so ``import monarch_nb`` imports neither torch, IPython nor ipywidgets.
+In IPython: ``%load_ext monarch_nb`` registers the ``%mesh`` / ``%%mesh`` magics.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Actor": "monarch_nb.actor.endpoint",
+    "endpoint": "monarch_nb.actor.endpoint",
+    "Endpoint": "monarch_nb.actor.endpoint",
+    "Future": "monarch_nb.actor.future",
+    "ValueMesh": "monarch_nb.actor.value_mesh",
+    "Extent": "monarch_nb.actor.shape",
+    "Point": "monarch_nb.actor.shape",
+    "HostMesh": "monarch_nb.actor.mesh",
+    "ProcMesh": "monarch_nb.actor.mesh",
+    "ActorMesh": "monarch_nb.actor.mesh",
+    "this_host": "monarch_nb.actor.context",
+    "this_proc": "monarch_nb.actor.context",
+    "context": "monarch_nb.actor.context",
+    "current_rank": "monarch_nb.actor.context",
+    "current_size": "monarch_nb.actor.context",
+    "ActorError": "monarch_nb.errors",
+    "SupervisionError": "monarch_nb.errors",
+    "MeshStoppedError": "monarch_nb.errors",
+    "UnknownEndpointError": "monarch_nb.errors",
+    "configure": "monarch_nb.config",
+    "Event": "monarch_nb.supervision.events",
+}
+
+__all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
+
+if TYPE_CHECKING:
+    from .actor.context import context, current_rank, current_size, this_host, this_proc
+    from .actor.endpoint import Actor, Endpoint, endpoint
+    from .actor.future import Future
+    from .actor.mesh import ActorMesh, HostMesh, ProcMesh
+    from .actor.shape import Extent, Point
+    from .actor.value_mesh import ValueMesh
+    from .config import configure
+    from .errors import ActorError, MeshStoppedError, SupervisionError, UnknownEndpointError
+    from .supervision.events import Event
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch_nb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext monarch_nb``: register the ``%mesh`` and ``%%mesh`` magics."""
+    from .jupyter.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from .jupyter.magics import unload_ipython_extension as unload
+
+    unload(ipython)

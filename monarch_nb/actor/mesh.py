@@ -1,0 +1,241 @@
+"""HostMesh, ProcMesh and ActorMesh: named-dim arrays of hosts, worker processes and actors.
+
+``this_host().spawn_procs(per_host={"gpus": 4})`` starts 4 worker processes on this host and
+returns their :class:`ProcMesh`; ``procs.spawn("counters", Counter, 0)`` constructs one
+``Counter(0)`` in each and returns an :class:`ActorMesh`, whose endpoints are called through
+adverbs (see :mod:`monarch_nb.actor.endpoint`). Meshes slice by dim (``mesh.slice(gpus=0)``) and
+actor meshes can be passed to other actors, which then call them directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
+
+from ..errors import MeshStoppedError, UnknownEndpointError
+from .endpoint import Endpoint, endpoints_of
+from .future import Future
+from .shape import Extent, Shape
+
+if TYPE_CHECKING:
+    from ..runtime.controller import Controller
+
+__all__ = ["MeshBase", "HostMesh", "ProcMesh", "ActorMesh", "proc_identity"]
+
+A = TypeVar("A")
+
+
+def proc_identity(proc_mesh: str, rank: int) -> str:
+    """The routing identity of rank ``rank`` of proc mesh ``proc_mesh``."""
+    return f"{proc_mesh}.{rank}"
+
+
+class MeshBase:
+    """Dims shared by every mesh: ``extent``, ``size()``, ``sizes``, ``slice()``, ``flatten()``."""
+
+    _shape: Shape
+
+    @property
+    def extent(self) -> Extent:
+        """Named dims and their sizes, e.g. ``Extent({'gpus': 4})``."""
+        return self._shape.extent
+
+    @property
+    def sizes(self) -> list[int]:
+        return self._shape.extent.sizes
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """Number of members, over all dims or over ``dim`` (a name or several).
+
+        Raises:
+            KeyError: an unknown dim.
+        """
+        if dim is None:
+            return len(self._shape)
+        dims = [dim] if isinstance(dim, str) else list(dim)
+        total = 1
+        for name in dims:
+            if name not in self.extent:
+                raise KeyError(f"unknown dim {name!r}; this mesh has dims {self.extent.labels}")
+            total *= self.extent[name]
+        return total
+
+    def slice(self, **selection: int | slice):
+        """The sub-mesh at ``selection``: an int index drops that dim, a ``slice`` keeps it.
+
+        Raises:
+            ValueError: unknown dim or index out of range (the message names the valid range).
+        """
+        return self._with_shape(self._shape.slice(**selection))
+
+    def flatten(self, name: str):
+        """The same members along one dim called ``name``."""
+        return self._with_shape(self._shape.flatten(name))
+
+    def _with_shape(self, shape: Shape):
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+
+class HostMesh(MeshBase):
+    """Hosts that can run procs. ``this_host()`` is the local one."""
+
+    def __init__(self, hosts: list[str], shape: Shape | None = None):
+        self._hosts = hosts
+        self._shape = shape or (Shape(Extent({"hosts": len(hosts)})) if len(hosts) > 1 else Shape(Extent({})))
+
+    def _with_shape(self, shape: Shape) -> "HostMesh":
+        return HostMesh(self._hosts, shape)
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str | None = None) -> "ProcMesh":
+        """Start worker processes on each host, ``per_host`` giving their dims (``{"gpus": 4}``).
+
+        Each proc gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and its coordinates
+        (MONARCH_NB_COORDS, JSON) in its environment; on a GPU host, one visible device each.
+
+        Raises:
+            ValueError: a bad ``per_host`` (dims must be identifiers with positive int sizes).
+            RuntimeError: a proc failed to start; the message holds its output.
+        """
+        from ..runtime.controller import Controller
+
+        dims = dict(per_host or {})
+        if len(self._shape.extent):
+            dims = {**dict(self._shape.extent), **dims}
+        extent = Extent(dims)
+        hosts = [self._hosts[r] for r in self._shape.ranks]
+        return Controller.get().spawn_procs(hosts, extent, name=name)
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {self._hosts} {dict(self.extent)}>"
+
+
+class ProcMesh(MeshBase):
+    """Worker processes with named dims. Use as a context manager to stop them on exit."""
+
+    def __init__(self, name: str, root: Extent, shape: Shape | None = None):
+        self._name = name
+        self._root = root
+        self._shape = shape or Shape(root)
+
+    def _with_shape(self, shape: Shape) -> "ProcMesh":
+        return ProcMesh(self._name, self._root, shape)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _controller(self) -> "Controller":
+        from ..runtime.controller import Controller
+
+        controller = Controller.existing()
+        if controller is None:
+            raise RuntimeError("spawning actors from inside a worker is not supported; spawn them from the controller")
+        return controller
+
+    def spawn(self, name: str, cls: type[A], *args: Any, **kwargs: Any) -> "ActorMesh[A]":
+        """Construct ``cls(*args, **kwargs)`` on every proc of this mesh; block until all are built.
+
+        Raises:
+            TypeError: ``cls`` is not an Actor subclass, or the arguments do not fit its constructor.
+            ValueError: an actor mesh called ``name`` already lives on these procs.
+            ActorError: a constructor raised on some rank.
+            MeshStoppedError: the proc mesh was stopped.
+        """
+        from .endpoint import Actor
+
+        if not (isinstance(cls, type) and issubclass(cls, Actor)):
+            raise TypeError(f"spawn needs an Actor subclass, got {cls!r}")
+        return self._controller().spawn_actors(self, name, cls, args, kwargs)
+
+    def stop(self) -> None:
+        """Stop every proc of this mesh (its actors' ``__cleanup__`` runs first). Idempotent."""
+        controller = self._controller()
+        controller.stop_procs(self._name)
+
+    def __enter__(self) -> "ProcMesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _proc_identities(self) -> list[str]:
+        return [proc_identity(self._name, r) for r in self._shape.ranks]
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self._name} {dict(self.extent)}>"
+
+
+class ActorMesh(MeshBase, Generic[A]):
+    """Actors of one class, one per proc of a proc mesh (or of a slice of it).
+
+    Attribute access gives the class's endpoints: ``mesh.incr.call(by=2)``. An unknown name raises
+    :class:`~monarch_nb.errors.UnknownEndpointError` listing the endpoints there are.
+    """
+
+    def __init__(self, name: str, cls: type, proc_mesh: str, root: Extent, shape: Shape):
+        self._name = name
+        self._cls = cls
+        self._proc_mesh = proc_mesh
+        self._root = root
+        self._shape = shape
+        self._endpoints = endpoints_of(cls)
+
+    def _with_shape(self, shape: Shape) -> "ActorMesh[A]":
+        return ActorMesh(self._name, self._cls, self._proc_mesh, self._root, shape)
+
+    def __getattr__(self, attr: str) -> Endpoint:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        prop = self._endpoints.get(attr)
+        if prop is None:
+            raise UnknownEndpointError(
+                f"{self._cls.__name__} has no endpoint {attr!r}; its endpoints are "
+                f"{sorted(self._endpoints) or 'none'} (mark methods with @endpoint)"
+            )
+        return Endpoint(self, prop)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self._endpoints))
+
+    def __reduce__(self):
+        return ActorMesh, (self._name, self._cls, self._proc_mesh, self._root, self._shape)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _targets(self):
+        from ..runtime.messenger import Target
+
+        return [
+            Target(proc_identity(self._proc_mesh, g), g, dict(self._root.point(g))) for g in self._shape.ranks
+        ]
+
+    def _live_indices(self) -> list[int]:
+        from ..runtime import messenger
+
+        msgr = messenger.current()
+        live = [i for i, t in enumerate(self._targets()) if msgr.failure_of(t.proc) is None]
+        return live or list(range(len(self._shape)))
+
+    def _send(
+        self, endpoint: str, args: tuple, kwargs: dict, *, targets: list[int] | None, single: bool, want_reply: bool = True
+    ) -> Future | None:
+        from ..runtime import messenger
+
+        msgr = messenger.current()
+        stopped = getattr(msgr, "stopped_meshes", ())
+        if self._proc_mesh in stopped:
+            raise MeshStoppedError(
+                f"proc mesh {self._proc_mesh!r} was stopped; spawn a new one with this_host().spawn_procs(...)"
+            )
+        everyone = self._targets()
+        chosen = everyone if targets is None else [everyone[i] for i in targets]
+        return msgr.send(
+            chosen, self._name, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply
+        )
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self._name}: {self._cls.__name__} {dict(self.extent)} on {self._proc_mesh}>"

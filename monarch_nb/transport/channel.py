@@ -1,0 +1,246 @@
+"""A ZeroMQ socket owned by one IO thread, with a thread-safe send queue and timers.
+
+ZeroMQ sockets must not be shared between threads, so each process has one :class:`Channel`:
+its IO thread is the only one that touches the socket. Any thread may call :meth:`Channel.send`;
+the message is signed and numbered under a lock (so sequence numbers follow send order, which
+the receiver's replay guard relies on), queued, and the IO thread is woken through a pipe.
+Received messages are verified (:func:`monarch_nb.transport.wire.decode`) and the replay guard
+is applied before ``on_message`` runs on the IO thread; bad ones are dropped and counted.
+
+The controller's channel is a ROUTER bound to an address; procs and host agents connect a
+DEALER whose routing identity is their name. Identities may carry an incarnation after ``#``
+(``"pm0.3#4211"``); routing uses the part before it, so a restarted proc takes over its name
+(ROUTER_HANDOVER) while the replay guard keeps each incarnation's sequence apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from .wire import BadMessage, ReplayGuard, Signer, decode, encode
+
+__all__ = ["Channel", "route_id"]
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[dict, Any, list, list], None]
+
+
+def route_id(identity: str) -> str:
+    """The ZeroMQ routing identity of ``identity`` (its part before any ``#incarnation``)."""
+    return identity.split("#", 1)[0]
+
+
+class Channel:
+    """One socket, one IO thread. ``router=True`` binds a ROUTER; otherwise a DEALER connects.
+
+    Args:
+        identity: this endpoint's name, used as ``src`` in headers (and, for DEALERs, as the
+            routing identity up to ``#``).
+        signer: the cluster's :class:`~monarch_nb.transport.wire.Signer`.
+        on_message: ``f(header, body, buffers, frames)`` run on the IO thread for each verified
+            message. It must not block.
+        router: bind a ROUTER (the controller) instead of connecting a DEALER.
+    """
+
+    def __init__(self, identity: str, signer: Signer, on_message: MessageHandler, *, router: bool = False):
+        self.identity = identity
+        self.router = router
+        self._signer = signer
+        self._on_message = on_message
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER if router else zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        if router:
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        else:
+            self._sock.setsockopt(zmq.IDENTITY, route_id(identity).encode())
+        self._guard = ReplayGuard()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._outbox: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._readers: dict[int, Callable[[int], None]] = {}
+        self._timers: list[list] = []  # [next_due, interval_s, fn]
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self.dropped = collections.Counter()  # reason -> count
+        self.address: str | None = None
+        self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def bind(self, address: str) -> str:
+        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://127.0.0.1:0``); return the real one."""
+        self._sock.bind(address)
+        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self.address
+
+    def connect(self, address: str) -> None:
+        self._sock.connect(address)
+        self.address = address
+
+    def add_reader(self, fd: int, callback: Callable[[int], None]) -> None:
+        """Call ``callback(fd)`` on the IO thread when ``fd`` is readable. IO thread only, or before start."""
+        self._readers[fd] = callback
+
+    def remove_reader(self, fd: int) -> None:
+        self._readers.pop(fd, None)
+
+    def every(self, interval_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the IO thread every ``interval_s`` seconds. Call before :meth:`start`."""
+        self._timers.append([time.monotonic() + interval_s, interval_s, fn])
+
+    def start(self, name: str = "monarch_nb-io") -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def run_forever(self) -> None:
+        """Run the IO loop on the calling thread until :meth:`close` (host agents, procs)."""
+        self._run()
+
+    # -- sending --------------------------------------------------------------------------------
+    def send(self, dst: str, header: dict, body: bytes = b"", buffers: Sequence[Any] = ()) -> None:
+        """Sign, number and queue one message to ``dst``. Thread-safe; never blocks on the network."""
+        header["src"] = self.identity
+        header["dst"] = dst
+        with self._lock:
+            self._seq += 1
+            header["seq"] = self._seq
+            frames = encode(self._signer, header, body, buffers)
+            if self.router:
+                frames.insert(0, route_id(dst).encode())
+            self._outbox.append(frames)
+        self._wake()
+
+    def forward(self, dst: str, frames: list) -> None:
+        """Queue already-signed ``frames`` (a message from another peer) to ``dst`` (ROUTER only)."""
+        self._outbox.append([route_id(dst).encode(), *frames])
+        self._wake()
+
+    def _wake(self) -> None:
+        if threading.current_thread() is not self._thread:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # closed
+                pass
+
+    # -- IO loop --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._thread = threading.current_thread()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        registered: set[int] = set()
+        while not self._closed.is_set():
+            for fd in set(self._readers) - registered:
+                poller.register(fd, zmq.POLLIN)
+                registered.add(fd)
+            for fd in registered - set(self._readers):
+                poller.unregister(fd)
+                registered.discard(fd)
+            timeout_ms = self._next_timer_ms()
+            try:
+                events = poller.poll(timeout_ms)
+            except zmq.ZMQError as exc:
+                if self._closed.is_set():
+                    break
+                log.warning("poll failed: %s", exc)
+                continue
+            for sock, _ in events:
+                if sock is self._sock:
+                    self._receive_all()
+                elif sock == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                else:
+                    callback = self._readers.get(sock)
+                    if callback is not None:
+                        self._guarded(callback, sock)
+            self._run_timers()
+            self._flush()
+        self._flush()
+
+    def _guarded(self, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("handler %r failed; the IO loop goes on", fn)
+
+    def _receive_all(self) -> None:
+        for _ in range(1000):  # bounded so timers and sends are not starved
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.warning("recv failed: %s", exc)
+                return
+            if self.router:
+                frames = frames[1:]
+            if self.muted_until and time.monotonic() < self.muted_until:
+                self.dropped["partitioned"] += 1
+                continue
+            try:
+                header, body, buffers = decode(self._signer, frames)
+            except BadMessage as exc:
+                self.dropped["bad"] += 1
+                log.warning("dropped a bad message: %s", exc)
+                continue
+            if not self._guard.accept(header):
+                self.dropped["replayed"] += 1
+                log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
+                continue
+            self._guarded(self._on_message, header, body, buffers, frames)
+
+    def _flush(self) -> None:
+        sock = self._sock
+        while self._outbox:
+            frames = self._outbox.popleft()
+            if self.muted_until and time.monotonic() < self.muted_until:
+                self.dropped["partitioned"] += 1
+                continue
+            try:
+                sock.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:
+                log.warning("send failed: %s", exc)
+
+    def _next_timer_ms(self) -> int:
+        if not self._timers:
+            return 200
+        due = min(t[0] for t in self._timers)
+        return max(0, int((due - time.monotonic()) * 1000) + 1)
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        for timer in self._timers:
+            if now >= timer[0]:
+                timer[0] = now + timer[1]
+                self._guarded(timer[2])
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self, join_timeout_s: float = 2.0) -> None:
+        """Stop the IO loop (after flushing queued sends) and close the socket."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_timeout_s)
+        self._sock.close(linger=500)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
