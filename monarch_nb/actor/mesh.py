@@ -154,6 +154,18 @@ class ProcMesh(MeshBase):
         controller = self._controller()
         controller.stop_procs(self._name)
 
+    def inject(self, rank: int, kind: str, **params: Any) -> None:
+        """Inject a fault into the proc at flat ``rank``; see :mod:`monarch_nb.faults.inject`."""
+        from ..faults.inject import inject
+
+        inject(self, rank, kind, **params)
+
+    def restart(self, rank: int, timeout_s: float = 30.0) -> None:
+        """Restart the proc at flat ``rank`` in place (same rank and coordinates, new pid) and
+        respawn its actors with their constructor arguments; blocks until it serves again."""
+        controller = self._controller()
+        controller.restart_proc(controller.proc_record(self._name, rank).identity, timeout_s)
+
     def __enter__(self) -> "ProcMesh":
         return self
 

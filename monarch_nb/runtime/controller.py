@@ -317,6 +317,32 @@ class Controller:
         rec = self.procs[identity_key(identity)]
         self.channel.send(rec.host, {"kind": "signal", "proc": rec.identity, "signal": signame})
 
+    def proc_record(self, mesh: str, rank: int) -> ProcRecord:
+        """The record of rank ``rank`` of proc mesh ``mesh``.
+
+        Raises:
+            ValueError: no such mesh or rank (the message gives the valid range).
+        """
+        record = self.meshes.get(mesh)
+        if record is None:
+            raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.meshes)}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(record.procs):
+            raise ValueError(f"rank {rank!r} is not in proc mesh {mesh!r}: valid ranks are 0..{len(record.procs) - 1}")
+        return self.procs[identity_key(record.procs[rank])]
+
+    def inject_fault(self, mesh: str, rank: int, kind: str, params: dict, signal: str | None) -> Event:
+        """Make fault ``kind`` happen on one proc (see :mod:`monarch_nb.faults.inject`)."""
+        rec = self.proc_record(mesh, rank)
+        if rec.state not in ("healthy", "busy"):
+            raise RuntimeError(f"rank {rank} of {mesh!r} is {rec.state}; faults go to live procs (restart it first)")
+        detail = f"{kind} {params}" if params else kind
+        event = self._event("fault_injected", rec, detail=detail, cause=kind)
+        if signal is not None:
+            self.signal_proc(rec.identity, signal)
+        else:
+            self.channel.send(rec.identity, {"kind": "fault", "fault": kind, "params": params})
+        return event
+
     # -- incoming messages (IO thread) -------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
         if header["dst"] != IDENTITY:

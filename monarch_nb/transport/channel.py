@@ -1,9 +1,12 @@
 """A ZeroMQ socket owned by one IO thread, with a thread-safe send queue and timers.
 
-ZeroMQ sockets must not be shared between threads, so each process has one :class:`Channel`:
-its IO thread is the only one that touches the socket. Any thread may call :meth:`Channel.send`;
-the message is signed and numbered under a lock (so sequence numbers follow send order, which
-the receiver's replay guard relies on), queued, and the IO thread is woken through a pipe.
+ZeroMQ sockets must not be used by two threads at once, so every use of the socket happens under
+one lock. Any thread may call :meth:`Channel.send`: the message is numbered, signed and sent
+under that lock, so sequence numbers follow send order (the receiver's replay guard relies on it)
+and no thread hand-off is paid on the send path (on a small VM each wake-up of another thread
+costs about as much as a whole ZeroMQ hop). The IO thread waits on the socket's ZMQ_FD *without*
+the lock and takes it only to receive. ZMQ_FD is edge-triggered and a send may consume its edge,
+so after every send the sender checks ZMQ_EVENTS and wakes the IO thread if input is pending.
 Received messages are verified (:func:`monarch_nb.transport.wire.decode`) and the replay guard
 is applied before ``on_message`` runs on the IO thread; bad ones are dropped and counted.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -67,7 +71,6 @@ class Channel:
         self._guard = ReplayGuard()
         self._seq = 0
         self._lock = threading.Lock()
-        self._outbox: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._readers: dict[int, Callable[[int], None]] = {}
@@ -110,7 +113,7 @@ class Channel:
 
     # -- sending --------------------------------------------------------------------------------
     def send(self, dst: str, header: dict, body: bytes = b"", buffers: Sequence[Any] = ()) -> None:
-        """Sign, number and queue one message to ``dst``. Thread-safe; never blocks on the network."""
+        """Number, sign and send one message to ``dst``. Thread-safe; never blocks on the network."""
         header["src"] = self.identity
         header["dst"] = dst
         with self._lock:
@@ -119,58 +122,72 @@ class Channel:
             frames = encode(self._signer, header, body, buffers)
             if self.router:
                 frames.insert(0, route_id(dst).encode())
-            self._outbox.append(frames)
-        self._wake()
+            self._send_locked(frames)
 
     def forward(self, dst: str, frames: list) -> None:
-        """Queue already-signed ``frames`` (a message from another peer) to ``dst`` (ROUTER only)."""
-        self._outbox.append([route_id(dst).encode(), *frames])
-        self._wake()
+        """Send already-signed ``frames`` (a message from another peer) to ``dst`` (ROUTER only)."""
+        with self._lock:
+            self._send_locked([route_id(dst).encode(), *frames])
+
+    def _send_locked(self, frames: list) -> None:
+        if self.muted_until and time.monotonic() < self.muted_until:
+            self.dropped["partitioned"] += 1
+            return
+        if self._closed.is_set():
+            return
+        try:
+            self._sock.send_multipart(frames, copy=False)
+            pending_input = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        except zmq.ZMQError as exc:
+            log.warning("send failed: %s", exc)
+            return
+        if pending_input and threading.current_thread() is not self._thread:
+            self._wake()
 
     def _wake(self) -> None:
-        if threading.current_thread() is not self._thread:
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:  # closed
-                pass
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # closed, or the pipe is full (the IO thread is awake anyway)
+            pass
 
     # -- IO loop --------------------------------------------------------------------------------
     def _run(self) -> None:
         self._thread = threading.current_thread()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = select.poll()
+        sock_fd = self._sock.getsockopt(zmq.FD)
+        poller.register(sock_fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         registered: set[int] = set()
         while not self._closed.is_set():
             for fd in set(self._readers) - registered:
-                poller.register(fd, zmq.POLLIN)
+                poller.register(fd, select.POLLIN)
                 registered.add(fd)
             for fd in registered - set(self._readers):
                 poller.unregister(fd)
                 registered.discard(fd)
-            timeout_ms = self._next_timer_ms()
+            timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
             try:
                 events = poller.poll(timeout_ms)
-            except zmq.ZMQError as exc:
-                if self._closed.is_set():
-                    break
-                log.warning("poll failed: %s", exc)
+            except InterruptedError:
                 continue
-            for sock, _ in events:
-                if sock is self._sock:
-                    self._receive_all()
-                elif sock == self._wake_r:
+            for fd, _ in events:
+                if fd == self._wake_r:
                     try:
                         os.read(self._wake_r, 65536)
                     except BlockingIOError:
                         pass
-                else:
-                    callback = self._readers.get(sock)
+                elif fd != sock_fd:
+                    callback = self._readers.get(fd)
                     if callback is not None:
-                        self._guarded(callback, sock)
+                        self._guarded(callback, fd)
+            self._receive_all()
             self._run_timers()
-            self._flush()
-        self._flush()
+
+    def _input_pending(self) -> bool:
+        with self._lock:
+            if self._closed.is_set():
+                return False
+            return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _guarded(self, fn: Callable, *args: Any) -> None:
         try:
@@ -179,14 +196,17 @@ class Channel:
             log.exception("handler %r failed; the IO loop goes on", fn)
 
     def _receive_all(self) -> None:
-        for _ in range(1000):  # bounded so timers and sends are not starved
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:
-                log.warning("recv failed: %s", exc)
-                return
+        for _ in range(64):  # bounded so timers and readers are not starved
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError as exc:
+                    log.warning("recv failed: %s", exc)
+                    return
             if self.router:
                 frames = frames[1:]
             if self.muted_until and time.monotonic() < self.muted_until:
@@ -203,18 +223,6 @@ class Channel:
                 log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
                 continue
             self._guarded(self._on_message, header, body, buffers, frames)
-
-    def _flush(self) -> None:
-        sock = self._sock
-        while self._outbox:
-            frames = self._outbox.popleft()
-            if self.muted_until and time.monotonic() < self.muted_until:
-                self.dropped["partitioned"] += 1
-                continue
-            try:
-                sock.send_multipart(frames, copy=False)
-            except zmq.ZMQError as exc:
-                log.warning("send failed: %s", exc)
 
     def _next_timer_ms(self) -> int:
         if not self._timers:
@@ -238,7 +246,8 @@ class Channel:
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_timeout_s)
-        self._sock.close(linger=500)
+        with self._lock:
+            self._sock.close(linger=500)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

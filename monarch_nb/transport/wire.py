@@ -2,7 +2,12 @@
 
 A message after ZeroMQ's routing frames is::
 
-    [b"MNB1", signature, header, body, buffer_0, ..., buffer_n-1]
+    [envelope, (body,) buffer_0, ..., buffer_n-1]
+    envelope = b"MNB1" + layout + signature (32 bytes) + header length (4 bytes, big-endian) + header (+ body)
+
+``layout`` is ``b"I"`` when a small body rides inline at the end of the envelope (one frame for a
+typical call: each ZeroMQ frame costs Python-level work on both sides) or ``b"S"`` when the body
+is a frame of its own (large bodies are not copied).
 
 - ``header``: compact JSON object. Always holds ``kind``, ``src`` (sender identity), ``dst``
   (receiver identity), ``seq`` (per-sender sequence number, strictly increasing) and ``nbuf``
@@ -27,7 +32,7 @@ import hmac
 import json
 from typing import Any, Sequence
 
-__all__ = ["BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode"]
+__all__ = ["BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX"]
 
 MAGIC = b"MNB1"
 _DIGEST = hashlib.sha256
@@ -56,31 +61,53 @@ class Signer:
         return mac.digest()
 
 
+#: Bodies up to this size are copied into the envelope frame.
+INLINE_BODY_MAX = 64 * 1024
+_SIG_BYTES = 32
+_PREFIX = len(MAGIC) + 1 + _SIG_BYTES + 4
+
+
 def encode(signer: Signer, header: dict, body: bytes = b"", buffers: Sequence[Any] = ()) -> list:
     """Return the frames of one message. ``header`` must hold kind, src, dst and seq."""
     header["nbuf"] = [memoryview(b).nbytes for b in buffers]
     raw_header = json.dumps(header, separators=(",", ":")).encode()
-    return [MAGIC, signer.signature(raw_header, body, buffers), raw_header, body, *buffers]
+    signature = signer.signature(raw_header, body, buffers)
+    head = b"".join((MAGIC, b"I" if len(body) <= INLINE_BODY_MAX else b"S", signature, len(raw_header).to_bytes(4, "big"), raw_header))
+    if len(body) <= INLINE_BODY_MAX:
+        return [head + body, *buffers]
+    return [head, body, *buffers]
 
 
-def _bytes(frame: Any) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+def _view(frame: Any) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
 def decode(signer: Signer, frames: Sequence[Any]) -> tuple[dict, Any, list]:
     """Verify and split ``frames`` (bytes or zmq.Frame) into (header, body, buffers).
 
     Raises:
-        BadMessage: wrong frame count or magic, bad signature, malformed header.
+        BadMessage: wrong frame count, layout or magic, bad signature, malformed header.
     """
-    if len(frames) < 4:
-        raise BadMessage(f"expected at least 4 frames, got {len(frames)}")
-    if _bytes(frames[0]) != MAGIC:
-        raise BadMessage("bad magic frame (not a monarch_nb message, or another protocol version)")
-    signature = _bytes(frames[1])
-    raw_header = _bytes(frames[2])
-    body = frames[3].buffer if hasattr(frames[3], "buffer") else frames[3]
-    buffers = [f.buffer if hasattr(f, "buffer") else f for f in frames[4:]]
+    if not frames:
+        raise BadMessage("empty message")
+    envelope = _view(frames[0])
+    if len(envelope) < _PREFIX or bytes(envelope[: len(MAGIC)]) != MAGIC:
+        raise BadMessage("bad envelope (not a monarch_nb message, or another protocol version)")
+    layout = bytes(envelope[4:5])
+    signature = bytes(envelope[5 : 5 + _SIG_BYTES])
+    header_len = int.from_bytes(envelope[5 + _SIG_BYTES : _PREFIX], "big")
+    if _PREFIX + header_len > len(envelope):
+        raise BadMessage("header length runs past the envelope")
+    raw_header = bytes(envelope[_PREFIX : _PREFIX + header_len])
+    if layout == b"I":
+        body = envelope[_PREFIX + header_len :]
+        rest = frames[1:]
+    elif layout == b"S" and len(frames) >= 2:
+        body = _view(frames[1])
+        rest = frames[2:]
+    else:
+        raise BadMessage(f"bad layout {layout!r} for {len(frames)} frame(s)")
+    buffers = [_view(f) for f in rest]
     expected = signer.signature(raw_header, body, buffers)
     if not hmac.compare_digest(signature, expected):
         raise BadMessage("bad signature (unsigned, forged, or signed with another cluster key)")
@@ -90,7 +117,7 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[dict, Any, list]:
         raise BadMessage(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict) or not all(k in header for k in ("kind", "src", "dst", "seq", "nbuf")):
         raise BadMessage("header lacks kind/src/dst/seq/nbuf")
-    sizes = [memoryview(b).nbytes for b in buffers]
+    sizes = [b.nbytes for b in buffers]
     if header["nbuf"] != sizes:
         raise BadMessage(f"buffer sizes {sizes} differ from the signed header's {header['nbuf']}")
     return header, body, buffers
