@@ -134,7 +134,7 @@ class SupervisionError(MonarchError):
         self.cause = cause
         self.signal = signal
         self.detail = detail
-        sig = f", signal {signal}" if signal else ""
+        sig = f", signal {signal}" if signal and signal != cause else ""
         super().__init__(f"rank {rank} failed ({cause}{sig}){': ' + detail if detail else ''}")
 
     def __reduce__(self):

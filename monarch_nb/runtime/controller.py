@@ -279,8 +279,10 @@ class Controller:
             raise
         return ActorMesh(name, cls, procs.name, mesh.extent, procs._shape)
 
-    def _send_spawn(self, targets: list[Target], spawn: ActorSpawn, extent: Extent | None):
-        return self.messenger.send_raw(targets, "spawn", spawn.name, spawn.body, spawn.buffers, extent=extent)
+    def _send_spawn(self, targets: list[Target], spawn: ActorSpawn, extent: Extent | None, even_if_failed: bool = False):
+        return self.messenger.send_raw(
+            targets, "spawn", spawn.name, spawn.body, spawn.buffers, extent=extent, even_if_failed=even_if_failed
+        )
 
     def _mesh(self, name: str) -> ProcMeshRecord:
         mesh = self.meshes.get(name)
@@ -472,7 +474,7 @@ class Controller:
         mesh = self.meshes[rec.mesh]
         spawns = [s for s in mesh.actors if rec.rank in s.ranks]
         target = Target(rec.identity, rec.rank, rec.coords)
-        futures = [self._send_spawn([target], s, None) for s in spawns]
+        futures = [self._send_spawn([target], s, None, even_if_failed=True) for s in spawns]
 
         def finish() -> None:
             errors = [f.exception() for f in futures]
@@ -480,6 +482,7 @@ class Controller:
             if failed:
                 rec.state = "failed"
                 self._event("proc_exited", rec, detail=f"actor respawn failed: {failed[0]}", cause="respawn")
+                rec.ready.set()
                 return
             self.messenger.proc_recovered(rec.identity)
             for other in self.procs.values():

@@ -96,8 +96,12 @@ class Messenger:
         extent: Extent | None,
         endpoint: str = "__init__",
         want_reply: bool = True,
+        even_if_failed: bool = False,
     ) -> Future | None:
-        """Send an already-pickled ``kind`` message ("call" or "spawn") to each target."""
+        """Send an already-pickled ``kind`` message ("call" or "spawn") to each target.
+
+        ``even_if_failed`` sends to procs marked failed (respawning actors on a restarted proc).
+        """
         header = {"kind": kind, "actor": actor, "ep": endpoint}
         if not want_reply:
             for target in targets:
@@ -113,7 +117,7 @@ class Messenger:
         with self._lock:
             self._pending[cid] = pending
         for index, target in enumerate(targets):
-            failure = self._failed.get(route_id(target.proc))
+            failure = None if even_if_failed else self._failed.get(route_id(target.proc))
             if failure is not None:
                 self._complete(cid, index, error=SupervisionError(target.rank, failure.cause, failure.detail, failure.signal))
                 continue

@@ -1,0 +1,23 @@
+# Two commands for a newcomer: `make demo` (set up, run the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_ARGS ?=
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml scripts/setup-venv.sh
+	bash scripts/setup-venv.sh $(VENV)
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m monarch_nb.cli demo $(DEMO_ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/actor_latency.py
+
+clean:
+	rm -rf $(VENV) bench/results test-artifacts

@@ -1,0 +1,93 @@
+"""Actor classes the tests spawn (importable by workers, which share the controller's sys.path)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+
+from monarch_nb import Actor, current_rank, current_size, endpoint
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0):
+        self.value = start
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.value += by
+        return self.value
+
+    @endpoint
+    def get_value(self) -> int:
+        return self.value
+
+    @endpoint
+    def whoami(self) -> dict:
+        point = current_rank()
+        return {"rank": point.rank, "coords": dict(point), "size": current_size(), "pid": os.getpid(),
+                "env_rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"])}
+
+    @endpoint
+    async def incr_async(self, by: int = 1) -> int:
+        await asyncio.sleep(0.001)
+        self.value += by
+        return self.value
+
+
+class Worker(Actor):
+    @endpoint
+    def echo(self, value):
+        return value
+
+    @endpoint
+    def fail(self, message: str):
+        local_marker = 42  # noqa: F841 - read by post-mortem tests
+        raise ValueError(message)
+
+    @endpoint
+    def sleep(self, seconds: float) -> float:
+        threading.Event().wait(seconds)
+        return seconds
+
+    @endpoint
+    def unpicklable_result(self):
+        return threading.Lock()
+
+    @endpoint
+    def write_output(self, lines: int) -> int:
+        rank = current_rank().rank
+        log = logging.getLogger("tests.worker")
+        for i in range(lines):
+            print(f"print rank={rank} i={i}")
+            log.warning("logging rank=%d i=%d", rank, i)
+            os.write(1, f"fd rank={rank} i={i}\n".encode())
+        sys.stdout.flush()
+        return lines
+
+    @endpoint
+    def print_then_die(self, text: str) -> None:
+        print(text, flush=True)
+        os.write(2, b"last words on stderr\n")
+        os._exit(3)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Caller(Actor):
+    """Calls another actor mesh from inside an endpoint, blocking on .get()."""
+
+    def __init__(self, peers):
+        self.peers = peers
+
+    @endpoint
+    def sum_of_peers(self) -> int:
+        return sum(self.peers.incr.call(by=0).get().values())
+
+    @endpoint
+    def call_peer_of_same_rank(self) -> int:
+        return self.peers.slice(**current_rank()).incr.call_one(by=1).get()

@@ -1,0 +1,203 @@
+"""The actor API over real worker processes: adverbs, slicing, errors, ordering, tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from monarch_nb import ActorError, MeshStoppedError, SupervisionError, UnknownEndpointError, ValueMesh
+from monarch_nb.runtime.controller import Controller
+from monarch_nb.transport.serialization import SerializationError, dumps
+
+from .actors import Caller, Counter, Worker
+from .conftest import wait_until
+
+
+def test_every_adverb(procs4):
+    counters = procs4.spawn("counters", Counter, 10)
+    counters.incr.broadcast(by=5)
+    values = counters.incr.call(by=2).get(timeout=10)
+    assert isinstance(values, ValueMesh)
+    assert values.values() == [17, 17, 17, 17]
+    assert values.item(gpus=3) == 17
+    assert [dict(p) for p, _ in values.items()] == [{"gpus": i} for i in range(4)]
+    assert counters.slice(gpus=0).incr.call_one().get(timeout=10) == 18
+    assert counters.incr.choose(by=0).get(timeout=10) in (17, 18)
+    assert sorted(counters.incr.stream(by=0)) == [17, 17, 17, 18]
+    assert counters.incr_async.call(by=1).get(timeout=10).values() == [19, 18, 18, 18]
+
+
+def test_call_one_on_many_is_a_clear_error(procs4):
+    counters = procs4.spawn("counters", Counter)
+    with pytest.raises(ValueError, match="exactly 1 actor.*has 4"):
+        counters.incr.call_one()
+
+
+def test_slicing_and_geometry(procs4):
+    counters = procs4.spawn("counters", Counter)
+    assert counters.size() == 4 and dict(counters.extent) == {"gpus": 4}
+    pair = counters.slice(gpus=slice(1, 3))
+    assert dict(pair.extent) == {"gpus": 2}
+    infos = pair.whoami.call().get(timeout=10).values()
+    assert [i["rank"] for i in infos] == [1, 2]  # the actor's rank in its mesh
+    assert [i["env_rank"] for i in infos] == [1, 2]
+    assert all(i["world"] == 4 and i["size"] == {"gpus": 4} for i in infos)
+    one = counters.slice(gpus=-1)
+    assert len(one.extent) == 0 and one.whoami.call_one().get(timeout=10)["coords"] == {"gpus": 3}
+    flat = counters.flatten("all")
+    assert dict(flat.extent) == {"all": 4}
+    with pytest.raises(ValueError, match="out of range 0..3"):
+        counters.slice(gpus=4)
+    with pytest.raises(ValueError, match="unknown dim"):
+        counters.slice(hosts=0)
+
+
+def test_worker_environment_and_distinct_pids(procs4):
+    workers = procs4.spawn("w", Worker)
+    pids = workers.pid.call().get(timeout=10).values()
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"monarch_nb" in f.read()  # identifiable in ps
+
+
+def test_1000_broadcasts_then_call_are_ordered(procs4):
+    counters = procs4.spawn("counters", Counter)
+    for _ in range(1000):
+        counters.incr.broadcast()
+    assert counters.get_value.call().get(timeout=30).values() == [1000] * 4
+
+
+def test_tensors_round_trip_without_copy_into_stream(procs4):
+    workers = procs4.spawn("w", Worker)
+    x = torch.randn(512, 512)  # 1 MiB
+    stream, buffers = dumps(((x,), {}))
+    assert len(stream) < 1024 and sum(memoryview(b).nbytes for b in buffers) == x.numel() * 4
+    y = workers.slice(gpus=2).echo.call_one(x).get(timeout=10)
+    assert torch.equal(x, y) and y.dtype == x.dtype
+    y += 1  # a received tensor is writable
+    for dtype in (torch.bfloat16, torch.int64, torch.bool):
+        t = (torch.rand(300, 300) > 0.5).to(dtype)
+        assert torch.equal(workers.slice(gpus=0).echo.call_one(t).get(timeout=10), t)
+    strided = torch.arange(20.0).reshape(4, 5).t()
+    assert torch.equal(workers.slice(gpus=0).echo.call_one(strided).get(timeout=10), strided)
+
+
+def test_endpoint_that_raises_gives_remote_traceback(procs4):
+    workers = procs4.spawn("w", Worker)
+    with pytest.raises(ActorError) as info:
+        workers.fail.call("boom").get(timeout=10)
+    err = info.value
+    assert err.rank == 0 and err.endpoint == "fail" and err.exception_type == "ValueError"
+    assert sorted(e.rank for e in err.others) == [1, 2, 3]
+    text = str(err)
+    assert "raise ValueError(message)" in text and "boom" in text and "actors.py" in text
+    assert workers.echo.call(1).get(timeout=10).values() == [1, 1, 1, 1]  # still usable
+    events = Controller.get().events.events("actor_error")
+    assert events and "boom" in events[-1].detail
+
+
+def test_bad_calls_are_clear_errors_and_leave_mesh_usable(procs4):
+    workers = procs4.spawn("w", Worker)
+    with pytest.raises(UnknownEndpointError, match="no endpoint 'nope'.*echo"):
+        workers.nope
+    with pytest.raises(TypeError, match=r"Worker.echo\(value\).*missing"):
+        workers.echo.call()
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        workers.echo.call(1, bogus=2)
+    with pytest.raises(SerializationError, match="cannot pickle"):
+        workers.echo.call(lambda_holder := __import__("threading").Lock())  # noqa: F841
+    with pytest.raises(ActorError, match="cannot be pickled"):
+        workers.slice(gpus=0).unpicklable_result.call_one().get(timeout=10)
+    with pytest.raises(TypeError, match="through an adverb"):
+        workers.echo(1)
+    assert workers.echo.call(2).get(timeout=10).values() == [2] * 4
+
+
+def test_timeout_leaves_mesh_usable(procs4):
+    workers = procs4.spawn("w", Worker)
+    one = workers.slice(gpus=1)
+    with pytest.raises(TimeoutError):
+        one.sleep.call_one(1.0).get(timeout=0.1)
+    assert one.echo.call_one("after").get(timeout=10) == "after"
+
+
+def test_actor_calls_actor_with_get_inside_endpoint(procs4):
+    counters = procs4.spawn("counters", Counter, 1)
+    callers = procs4.spawn("callers", Caller, counters)  # a mesh passed as an argument
+    assert callers.sum_of_peers.call().get(timeout=10).values() == [4, 4, 4, 4]
+    # same-proc call: the caller and the callee live in one process
+    assert callers.call_peer_of_same_rank.call().get(timeout=10).values() == [2, 2, 2, 2]
+
+
+def test_duplicate_actor_name_and_bad_constructor(procs4):
+    procs4.spawn("counters", Counter)
+    with pytest.raises(ValueError, match="already lives"):
+        procs4.spawn("counters", Counter)
+    with pytest.raises(TypeError, match="Counter.__init__"):
+        procs4.spawn("c2", Counter, 1, 2, 3)
+
+
+def test_output_from_four_ranks_complete_and_ordered(procs4):
+    controller = Controller.get()
+    lines = []
+    controller.output_sinks.append(lines.append)
+    try:
+        workers = procs4.spawn("w", Worker)
+        assert workers.write_output.call(50).get(timeout=30).values() == [50] * 4
+
+        def complete():
+            return all(
+                sum(1 for ln in lines if ln.rank == r and ln.text.startswith(kind)) == 50
+                for r in range(4)
+                for kind in ("print", "fd", "WARNING")
+            )
+
+        wait_until(complete, 10, message="150 lines from each rank")
+        for r in range(4):
+            for kind, stream in (("print", "stdout"), ("fd", "stdout"), ("WARNING", "stderr")):
+                got = [ln.text for ln in lines if ln.rank == r and ln.text.startswith(kind)]
+                assert all(ln.stream == stream for ln in lines if ln.rank == r and ln.text.startswith(kind))
+                assert [int(t.rsplit("i=", 1)[1]) for t in got] == list(range(50))  # in order, no dup
+    finally:
+        controller.output_sinks.remove(lines.append)
+
+
+def test_output_written_just_before_death_arrives(procs4):
+    controller = Controller.get()
+    lines = []
+    controller.output_sinks.append(lines.append)
+    try:
+        workers = procs4.spawn("w", Worker)
+        with pytest.raises(SupervisionError, match="rank 2.*exit 3"):
+            workers.slice(gpus=2).print_then_die.call_one("dying words").get(timeout=10)
+        texts = [(ln.rank, ln.stream, ln.text) for ln in lines]
+        assert (2, "stdout", "dying words") in texts
+        assert (2, "stderr", "last words on stderr") in texts
+        # the healthy slice keeps answering; the dead rank fails fast
+        assert workers.slice(gpus=0).echo.call_one(5).get(timeout=10) == 5
+        with pytest.raises(SupervisionError):
+            workers.slice(gpus=2).echo.call_one(5).get(timeout=1)
+    finally:
+        controller.output_sinks.remove(lines.append)
+
+
+def test_stop_and_context_manager(no_leaked_processes):
+    from monarch_nb import this_host
+
+    with this_host().spawn_procs(per_host={"gpus": 2}) as procs:
+        workers = procs.spawn("w", Worker)
+        pids = workers.pid.call().get(timeout=10).values()
+        no_leaked_processes.update(pids)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}/stat") and _alive(p) for p in pids), 5, message="stopped procs to exit")
+    with pytest.raises(MeshStoppedError, match="spawn a new one"):
+        workers.echo.call(1)
+    procs.stop()  # idempotent
+
+
+def _alive(pid: int) -> bool:
+    from .conftest import pid_alive
+
+    return pid_alive(pid)
