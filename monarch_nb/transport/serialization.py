@@ -13,8 +13,11 @@ torch, and it is rebuilt by ``_rebuild_tensor``, which imports torch on first us
 from __future__ import annotations
 
 import io
+import linecache
+import os
 import pickle
 import sys
+import types
 from typing import Any
 
 import cloudpickle
@@ -72,13 +75,41 @@ def _reduce_tensor(tensor: Any) -> Any:
     return _rebuild_tensor, (raw, dtype_name, tuple(data.shape), tensor.requires_grad)
 
 
+def _rebuild_code(ctor: Any, args: tuple, filename: str, lines: list[str] | None) -> types.CodeType:
+    if lines and filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return ctor(*args)
+
+
+def _reduce_code(code: types.CodeType) -> Any:
+    """cloudpickle's code reduction, keeping the real file name and shipping the source lines.
+
+    cloudpickle renames every by-value code object's file to ``<dynamic-code>``, which would
+    leave remote tracebacks and pdb's ``l`` without source. A notebook cell's "file" exists only
+    in the controller's linecache, so its lines travel with the code (pickle's memo sends each
+    cell's lines once) and are put into the worker's linecache.
+    """
+    code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+    if code_reduce is None:
+        return NotImplemented
+    ctor, args = code_reduce(code)
+    args = tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+    lines = None if os.path.exists(code.co_filename) else (linecache.getlines(code.co_filename) or None)
+    return _rebuild_code, (ctor, args, code.co_filename, lines)
+
+
 class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle's pickler plus a zero-copy reduction for torch tensors."""
+    """cloudpickle's pickler plus a zero-copy reduction for torch tensors and source-keeping code."""
 
     def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
         torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor:
+        if torch is not None and kind is torch.Tensor:
             reduced = _reduce_tensor(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        elif kind is types.CodeType:
+            reduced = _reduce_code(obj)
             if reduced is not NotImplemented:
                 return reduced
         return super().reducer_override(obj)

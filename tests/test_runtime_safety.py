@@ -1,0 +1,170 @@
+"""Lifetime and safety of the runtime: bad frames, controller death, interpreter exit, __main__ code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import zmq
+
+from monarch_nb.runtime.controller import Controller
+from monarch_nb.transport.wire import Signer, encode
+
+from .actors import Counter
+from .conftest import pid_alive, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_script(source: str, tmp_path, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    script = tmp_path / "main_script.py"
+    script.write_text(textwrap.dedent(source))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+
+
+def test_forged_unsigned_malformed_and_replayed_frames_are_dropped(procs4):
+    counters = procs4.spawn("counters", Counter)
+    controller = Controller.get()
+    target = f"{procs4.name}.1"
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(controller.address)
+    before = dict(controller.channel.dropped)
+    try:
+        # unsigned / garbage
+        sock.send_multipart([b"hello"])
+        sock.send_multipart([b"MNB1", b"x" * 40])
+        # forged: a well-formed stop message signed with another key
+        forged = encode(Signer(b"not-the-cluster-key!"), {"kind": "stop", "src": "intruder", "dst": target, "seq": 1})
+        sock.send_multipart(forged)
+        # a body that would run code if unpickled, signed with the wrong key
+        evil = b"cos\nsystem\n(S'touch /tmp/monarch_nb_pwned'\ntR."
+        sock.send_multipart(encode(Signer(b"k" * 32), {"kind": "call", "src": "intruder", "dst": target, "seq": 2, "actor": "counters", "ep": "incr"}, evil))
+        # a replay: the same validly signed message twice
+        valid = encode(controller.signer, {"kind": "hb", "src": "intruder#1", "dst": "ctrl", "seq": 7, "busy": {}})
+        sock.send_multipart(valid)
+        sock.send_multipart(valid)
+        wait_until(
+            lambda: controller.channel.dropped["bad"] - before.get("bad", 0) >= 4
+            and controller.channel.dropped["replayed"] - before.get("replayed", 0) >= 1,
+            10,
+            message="bad and replayed frames to be counted",
+        )
+    finally:
+        sock.close()
+    assert not os.path.exists("/tmp/monarch_nb_pwned")
+    assert counters.incr.call().get(timeout=10).values() == [1, 1, 1, 1]  # every worker kept serving
+
+
+def test_actor_class_defined_in_main_runs_remotely(tmp_path):
+    result = _run_script(
+        """
+        from monarch_nb import Actor, endpoint, this_host
+
+        SCALE = 3
+
+        def helper(x):
+            return x * SCALE
+
+        class Tripler(Actor):
+            @endpoint
+            def run(self, x):
+                return helper(x)
+
+        with this_host().spawn_procs(per_host={"gpus": 2}) as procs:
+            print("RESULT", procs.spawn("t", Tripler).run.call(7).get(timeout=30).values())
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "RESULT [21, 21]" in result.stdout
+
+
+def test_remote_traceback_shows_main_source_lines(tmp_path):
+    result = _run_script(
+        """
+        from monarch_nb import Actor, ActorError, endpoint, this_host
+
+        class Failing(Actor):
+            @endpoint
+            def run(self):
+                raise KeyError("missing-thing")  # the line the caller must see
+
+        with this_host().spawn_procs(per_host={"gpus": 1}) as procs:
+            try:
+                procs.spawn("f", Failing).run.call_one().get(timeout=30)
+            except ActorError as err:
+                print(str(err))
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "missing-thing" in result.stdout
+    assert 'raise KeyError("missing-thing")  # the line the caller must see' in result.stdout
+
+
+def _spawn_controller_script(extra: str = "") -> tuple[subprocess.Popen, list[int]]:
+    source = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from monarch_nb import this_host
+        from monarch_nb.runtime.controller import Controller
+        from tests.actors import Worker
+        procs = this_host().spawn_procs(per_host={{"gpus": 4}})
+        workers = procs.spawn("w", Worker)
+        pids = workers.pid.call().get(timeout=30).values()
+        agent = [a.popen.pid for a in Controller.get().agents.values()]
+        print(json.dumps(pids + agent), flush=True)
+        {extra}
+        """
+    )
+    popen = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    line = popen.stdout.readline()
+    if not line:
+        popen.kill()
+        pytest.fail(f"controller script failed: {popen.stderr.read()}")
+    return popen, json.loads(line)
+
+
+def test_sigkilled_controller_leaves_no_worker(no_leaked_processes):
+    popen, pids = _spawn_controller_script("time.sleep(600)")
+    no_leaked_processes.update(pids)
+    assert len(pids) == 5 and all(pid_alive(p) for p in pids)
+    os.kill(popen.pid, signal.SIGKILL)  # what a Jupyter kernel restart does
+    popen.wait(timeout=10)
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 5.0, message="workers of a SIGKILLed controller to exit")
+
+
+def test_interpreter_exit_stops_workers(no_leaked_processes):
+    popen, pids = _spawn_controller_script("sys.exit(0)")
+    no_leaked_processes.update(pids)
+    assert popen.wait(timeout=30) == 0
+    assert not any(pid_alive(p) for p in pids)  # stopped before the interpreter returned
+
+
+def test_cell_source_lines_travel_with_cell_defined_code(procs4):
+    """Code compiled from a notebook cell has no file on disk; its lines must reach the worker."""
+    import linecache
+
+    filename = "/tmp/ipykernel_0/cell-42.py"  # how ipykernel names a cell; never written to disk
+    source = (
+        "from monarch_nb import Actor, endpoint\n"
+        "import linecache\n"
+        "class CellActor(Actor):\n"
+        "    @endpoint\n"
+        "    def source_of(self, lineno):\n"
+        "        return linecache.getline(__file__, lineno)\n"
+    )
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    namespace = {"__name__": "__main__", "__file__": filename}
+    exec(compile(source, filename, "exec"), namespace)
+    actor = procs4.spawn("cell", namespace["CellActor"]).slice(gpus=0)
+    assert actor.source_of.call_one(5).get(timeout=10) == "    def source_of(self, lineno):\n"
