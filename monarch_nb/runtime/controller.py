@@ -32,6 +32,7 @@ from ..actor.shape import Extent, Shape
 from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
+from ..transport import shm
 from ..transport.channel import Channel, route_id
 from ..transport.serialization import dumps
 from ..transport.wire import Signer
@@ -157,7 +158,9 @@ class Controller:
         self.config = config
         self.signer = Signer(secrets.token_bytes(32), sign_buffers=config.sign_buffers)
         self.run_dir = tempfile.mkdtemp(prefix="monarch_nb-")
-        self.channel = Channel(IDENTITY, self.signer, self._on_message, router=True)
+        self.run_id = secrets.token_hex(8)
+        same_host = config.transport != "tcp"
+        self.channel = Channel(IDENTITY, self.signer, self._on_message, router=True, shm_run_id=self.run_id if same_host else None)
         if config.transport == "tcp":
             self.address = self.channel.bind(f"tcp://{config.bind_host}:0")
         else:
@@ -192,6 +195,7 @@ class Controller:
                 MONARCH_NB_KEY=self.signer._key.hex(),
                 MONARCH_NB_CONTROLLER=self.address,
                 MONARCH_NB_CONTROLLER_PID=str(os.getpid()),
+                MONARCH_NB_RUN_ID=self.run_id if self.channel.shm_run_id else "",
                 MONARCH_NB_ORPHAN_CHECK_S=str(config.orphan_check_s),
                 PYTHONPATH=os.pathsep.join(p for p in [_package_root(), env.get("PYTHONPATH", "")] if p),
             )
@@ -543,6 +547,7 @@ class Controller:
                     agent.popen.wait()
         self._closed = True
         self.channel.close()
+        shm.remove_orphans(self.run_id)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         messenger_mod.install(None)
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..transport import shm
 from ..transport.channel import Channel
 from ..transport.wire import Signer
 
@@ -185,6 +186,9 @@ class HostAgent:
             self._reap()
             time.sleep(0.005)
         self.channel.close()
+        run_id = os.environ.get("MONARCH_NB_RUN_ID")
+        if run_id:  # files of messages that were never received (their receiver died)
+            shm.remove_orphans(run_id)
         os._exit(0)
 
     def main(self) -> None:

@@ -202,7 +202,9 @@ class Proc:
         self.controller_address = os.environ["MONARCH_NB_CONTROLLER"]
         self.heartbeat_interval_s = float(os.environ.get("MONARCH_NB_HEARTBEAT_INTERVAL_S", "0.25"))
         self.extent = Extent(json.loads(os.environ.get("MONARCH_NB_EXTENT", "{}")))
-        self.channel = Channel(f"{identity}#{os.getpid()}", Signer(key), self._on_message)
+        self.channel = Channel(
+            f"{identity}#{os.getpid()}", Signer(key), self._on_message, shm_run_id=os.environ.get("MONARCH_NB_RUN_ID") or None
+        )
         self.messenger = Messenger(self.channel)
         messenger_mod.install(self.messenger)
         self.actors: dict[str, ActorRunner] = {}

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from . import shm
 from .wire import BadMessage, ReplayGuard, Signer, decode, encode
 
 __all__ = ["Channel", "route_id"]
@@ -54,8 +55,12 @@ class Channel:
         router: bind a ROUTER (the controller) instead of connecting a DEALER.
     """
 
-    def __init__(self, identity: str, signer: Signer, on_message: MessageHandler, *, router: bool = False):
+    def __init__(
+        self, identity: str, signer: Signer, on_message: MessageHandler, *, router: bool = False, shm_run_id: str | None = None
+    ):
         self.identity = identity
+        # same-host peers: large buffers go through /dev/shm (see monarch_nb.transport.shm)
+        self.shm_run_id = shm_run_id if shm_run_id and shm.available() else None
         self.router = router
         self._signer = signer
         self._on_message = on_message
@@ -116,6 +121,8 @@ class Channel:
         """Number, sign and send one message to ``dst``. Thread-safe; never blocks on the network."""
         header["src"] = self.identity
         header["dst"] = dst
+        if self.shm_run_id and buffers:
+            buffers = self._export_large(header, buffers)
         with self._lock:
             self._seq += 1
             header["seq"] = self._seq
@@ -123,6 +130,23 @@ class Channel:
             if self.router:
                 frames.insert(0, route_id(dst).encode())
             self._send_locked(frames)
+
+    def _export_large(self, header: dict, buffers: Sequence[Any]) -> list:
+        out = list(buffers)
+        exported = []
+        for index, buf in enumerate(buffers):
+            nbytes = memoryview(buf).nbytes
+            if nbytes >= shm.SHM_MIN_BYTES:
+                exported.append([index, shm.export_buffer(buf, self.shm_run_id), nbytes])
+                out[index] = b""
+        if exported:
+            header["shm"] = exported
+        return out
+
+    def _import_large(self, header: dict, buffers: list) -> list:
+        for index, name, nbytes in header["shm"]:
+            buffers[index] = shm.import_buffer(name, nbytes)
+        return buffers
 
     def forward(self, dst: str, frames: list) -> None:
         """Send already-signed ``frames`` (a message from another peer) to ``dst`` (ROUTER only)."""
@@ -222,6 +246,13 @@ class Channel:
                 self.dropped["replayed"] += 1
                 log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
                 continue
+            if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
+                try:
+                    buffers = self._import_large(header, buffers)
+                except (OSError, ValueError, TypeError) as exc:
+                    self.dropped["bad"] += 1
+                    log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
+                    continue
             self._guarded(self._on_message, header, body, buffers, frames)
 
     def _next_timer_ms(self) -> int:
