@@ -183,12 +183,13 @@ class Channel:
         poller.register(self._wake_r, select.POLLIN)
         registered: set[int] = set()
         while not self._closed.is_set():
-            for fd in set(self._readers) - registered:
-                poller.register(fd, select.POLLIN)
-                registered.add(fd)
-            for fd in registered - set(self._readers):
-                poller.unregister(fd)
-                registered.discard(fd)
+            if self._readers.keys() != registered:
+                for fd in set(self._readers) - registered:
+                    poller.register(fd, select.POLLIN)
+                    registered.add(fd)
+                for fd in registered - set(self._readers):
+                    poller.unregister(fd)
+                    registered.discard(fd)
             timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
             try:
                 events = poller.poll(timeout_ms)
