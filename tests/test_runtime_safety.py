@@ -168,3 +168,26 @@ def test_cell_source_lines_travel_with_cell_defined_code(procs4):
     exec(compile(source, filename, "exec"), namespace)
     actor = procs4.spawn("cell", namespace["CellActor"]).slice(gpus=0)
     assert actor.source_of.call_one(5).get(timeout=10) == "    def source_of(self, lineno):\n"
+
+
+def test_tcp_transport_binds_loopback_only(tmp_path):
+    script = tmp_path / "tcp_main.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from monarch_nb import this_host
+            from monarch_nb.runtime.controller import Controller
+            from tests.actors import Worker
+            with this_host().spawn_procs(per_host={"gpus": 2}) as procs:
+                x = torch.arange(1 << 20, dtype=torch.float32)
+                back = procs.spawn("w", Worker).echo.call(x).get(timeout=30).values()
+                print("ADDRESS", Controller.get().address)
+                print("EQUAL", all(torch.equal(b, x) for b in back))
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, MONARCH_NB_TRANSPORT="tcp")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "ADDRESS tcp://127.0.0.1:" in result.stdout and "EQUAL True" in result.stdout
