@@ -166,6 +166,44 @@ class ProcMesh(MeshBase):
         controller = self._controller()
         controller.restart_proc(controller.proc_record(self._name, rank).identity, timeout_s)
 
+    def supervise(
+        self, policy: str = "escalate", *, max_restarts: int = 3, backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0, owner: Any = None,
+    ):
+        """Set how failures of this mesh's procs are handled (the whole mesh, also from a slice).
+
+        Args:
+            policy: ``"escalate"`` (default: calls to the failed rank raise ``SupervisionError``),
+                ``"restart"`` (restart it in place after a backoff, up to ``max_restarts`` times per
+                rank, then escalate) or ``"isolate"`` (continue without it).
+            max_restarts: automatic restarts allowed per rank.
+            backoff_s: seconds before a rank's first automatic restart; doubles each time.
+            backoff_max_s: cap of the backoff, seconds.
+            owner: an object whose ``__supervise__(failure) -> bool`` is asked first (or a callable);
+                True means handled. It runs on the supervisor thread and may call ``restart``.
+
+        Returns:
+            The :class:`~monarch_nb.supervision.policy.SupervisionPolicy` now in force.
+
+        Raises:
+            ValueError: an unknown policy or a negative number.
+            TypeError: ``owner`` has no ``__supervise__`` and is not callable.
+            MeshStoppedError: the mesh was stopped.
+
+        See :mod:`monarch_nb.supervision.policy` for the semantics.
+        """
+        from ..supervision.policy import SupervisionPolicy
+
+        chosen = SupervisionPolicy(policy, max_restarts, backoff_s, backoff_max_s, owner)
+        return self._controller().supervise(self._name, chosen)
+
+    def tree(self) -> dict:
+        """The supervision tree of this mesh's procs (this slice's) and their actors, as plain data:
+        the root is the controller, then host agents, procs and actors. See
+        :mod:`monarch_nb.supervision.tree` for the keys (state, pid, rank, coords, restarts,
+        heartbeat_age_s, endpoint, endpoint_running_s, uptime_s, ...)."""
+        return self._controller().tree(self._name, set(self._shape.ranks))
+
     def __enter__(self) -> "ProcMesh":
         return self
 

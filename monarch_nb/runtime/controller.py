@@ -32,6 +32,7 @@ from ..actor.shape import Extent, Shape
 from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
+from ..supervision.policy import SupervisionPolicy, Supervisor
 from ..transport import shm
 from ..transport.channel import Channel, route_id
 from ..transport.serialization import dumps
@@ -75,6 +76,8 @@ class ProcRecord:
     exit_info: dict | None = None
     fenced: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0  # monotonic time of this incarnation's hello
+    failure: Any = None  # the supervision Failure of this incarnation, once it failed
 
     @property
     def alive(self) -> bool:
@@ -99,6 +102,7 @@ class ProcMeshRecord:
     procs: list[str]
     actors: list[ActorSpawn] = field(default_factory=list)
     stopped: bool = False
+    supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
 
 
 @dataclass
@@ -107,6 +111,7 @@ class AgentRecord:
     popen: subprocess.Popen | None
     ready: threading.Event = field(default_factory=threading.Event)
     pid: int = 0
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class _LineAssembler:
@@ -177,6 +182,8 @@ class Controller:
         self._mesh_ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
+        self.started_at = time.monotonic()
+        self.supervisor = Supervisor(self)
         self.channel.every(config.heartbeat_interval_s, self._check_heartbeats)
         self.channel.start(name="monarch_nb-controller-io")
         atexit.register(self.shutdown)
@@ -349,6 +356,17 @@ class Controller:
             self.channel.send(rec.identity, {"kind": "fault", "fault": kind, "params": params})
         return event
 
+    def tree(self, mesh: str | None = None, ranks: set[int] | None = None) -> dict:
+        """The supervision tree as plain data (see :func:`monarch_nb.supervision.tree.snapshot`)."""
+        from ..supervision.tree import snapshot
+
+        return snapshot(self, mesh, ranks)
+
+    def supervise(self, mesh: str, policy: SupervisionPolicy) -> SupervisionPolicy:
+        """Make ``policy`` the supervision policy of proc mesh ``mesh`` (see :meth:`ProcMesh.supervise`)."""
+        self._mesh(mesh).supervision = policy
+        return policy
+
     # -- incoming messages (IO thread) -------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
         if header["dst"] != IDENTITY:
@@ -373,6 +391,10 @@ class Controller:
             rec = self.procs.get(identity_key(route_id(header["src"])))
             if rec is not None:
                 self._event("actor_error", rec, detail=header.get("detail", ""), cause="exception")
+        elif kind == "fault_fired":
+            rec = self.procs.get(identity_key(route_id(header["src"])))
+            if rec is not None:
+                self._event("fault_fired", rec, detail=header.get("detail", ""), cause=header.get("fault", ""))
         elif kind == "agent_hello":
             agent = self.agents.get(route_id(header["src"]))
             if agent is not None:
@@ -392,6 +414,8 @@ class Controller:
         rec.last_heartbeat = time.monotonic()
         rec.exit_info = None
         rec.fenced = False
+        rec.failure = None
+        rec.started_at = rec.last_heartbeat
         restarting = rec.state == "restarting"
         rec.state = "healthy"
         if restarting:
@@ -408,6 +432,14 @@ class Controller:
         rec.busy = header.get("busy", {})
         if rec.state in ("healthy", "busy"):
             rec.state = "busy" if rec.busy else "healthy"
+        elif rec.state == "hung" and not rec.fenced:  # it was only slow (fencing off): serving again
+            rec.state = "busy" if rec.busy else "healthy"
+            rec.failure = None
+            self.messenger.proc_recovered(rec.identity)
+            for other in self.procs.values():
+                if other is not rec and other.alive and other.state != "starting":
+                    self.channel.send(other.identity, {"kind": "proc_recovered", "proc": rec.identity})
+            self._event("proc_resumed", rec, detail="heartbeats resumed", cause="heartbeat")
 
     def _on_output(self, header: dict, data: bytes) -> None:
         rec = self.procs.get(identity_key(header["proc"]))
@@ -459,6 +491,7 @@ class Controller:
         for other in self.procs.values():
             if other is not rec and other.alive and other.state != "starting":
                 self.channel.send(other.identity, {"kind": "proc_failed", "proc": rec.identity}, note)
+        self.supervisor.on_failure(rec, cause, detail, signame)
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
@@ -546,6 +579,7 @@ class Controller:
                     agent.popen.kill()
                     agent.popen.wait()
         self._closed = True
+        self.supervisor.close()
         self.channel.close()
         shm.remove_orphans(self.run_id)
         shutil.rmtree(self.run_dir, ignore_errors=True)

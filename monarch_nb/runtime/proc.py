@@ -119,7 +119,7 @@ class ActorRunner:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             result = self._loop.run_until_complete(result)
-        return self.proc.faults.after_call(result)
+        return self.proc.faults.after_call(result, self.name, endpoint)
 
     def stop(self) -> None:
         self.mailbox.put(None)
@@ -135,13 +135,19 @@ class ProcFaults:
         self.proc = proc
         self.raise_next = 0
         self.slow_ms = 0.0
+        self.slow_reported = True
         self.nan_next = 0
+
+    def fired(self, kind: str, detail: str) -> None:
+        """Tell the controller an injected fault took effect (a ``fault_fired`` event)."""
+        self.proc.channel.send("ctrl", {"kind": "fault_fired", "fault": kind, "detail": detail})
 
     def apply(self, kind: str, params: dict) -> None:
         if kind == "raise":
             self.raise_next += 1
         elif kind == "slow":
             self.slow_ms = float(params.get("ms", 100.0))
+            self.slow_reported = False
         elif kind == "nan":
             self.nan_next += 1
         elif kind == "partition":
@@ -160,22 +166,27 @@ class ProcFaults:
 
     def before_call(self, actor: str, endpoint: str) -> None:
         if self.slow_ms:
+            if not self.slow_reported:
+                self.slow_reported = True
+                self.fired("slow", f"{actor}.{endpoint} delayed by {self.slow_ms:g} ms")
             time.sleep(self.slow_ms / 1000.0)
         if self.raise_next:
             self.raise_next -= 1
             raise RuntimeError(f"injected fault: raise (rank {self.proc.rank}, {actor}.{endpoint})")
 
-    def after_call(self, result: Any) -> Any:
+    def after_call(self, result: Any, actor: str = "", endpoint: str = "") -> Any:
         if self.nan_next and _is_tensor(result):
             self.nan_next -= 1
             result = result.clone()
             result.view(-1)[0] = float("nan")
+            self.fired("nan", f"{actor}.{endpoint} result poisoned with NaN")
         return result
 
     def take_nan(self) -> bool:
         """True once per injected nan fault: training code poisons its next gradient."""
         if self.nan_next:
             self.nan_next -= 1
+            self.fired("nan", "gradient poisoned with NaN")
             return True
         return False
 

@@ -26,9 +26,12 @@ EVENT_KINDS = {
     "proc_fenced": "a hung proc was killed so that its peers are released",
     "proc_restarting": "a failed proc is being restarted in place",
     "proc_restarted": "a restarted proc is serving again, its actors respawned",
+    "proc_resumed": "a proc reported hung sent heartbeats again (fencing off): it is serving",
     "actor_error": "an endpoint raised; the proc is still alive",
     "fault_injected": "a fault was injected on purpose",
-    "supervised": "an owner's __supervise__ handled a failure",
+    "fault_fired": "an injected in-proc fault took effect (a call delayed by 'slow', a result poisoned by 'nan')",
+    "supervised": "a failure was handled: by the owner's __supervise__, or by the restart / isolate policy",
+    "escalated": "a failure nobody handled: calls to the rank raise SupervisionError",
 }
 
 
@@ -43,7 +46,8 @@ class Event:
         pid: OS pid of the proc (0 if unknown).
         time: wall-clock seconds since the epoch when the controller recorded it.
         detail: a human-readable line.
-        cause: machine-readable cause: "SIGKILL", "exit 3", "heartbeat", "injected", ...
+        cause: machine-readable cause: "SIGKILL", "SIGSEGV", "exit 3", "heartbeat" (a hang),
+            "fenced", "exception" (an endpoint raised), a fault kind ("nan", "slow"), ...
         mesh: the proc mesh's name.
         seq: position in the log (0-based), set by the log.
         monotonic: ``time.monotonic()`` at record time, for latency measurements.

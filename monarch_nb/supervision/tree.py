@@ -1,0 +1,168 @@
+"""The supervision tree as plain data: controller (root) -> host agents -> procs -> actors.
+
+:func:`snapshot` reads the controller's records once and returns nested dicts and lists (no live
+objects), so a widget can diff two snapshots and a test can assert on one. ``procs.tree()`` and
+``Controller.get().tree()`` return it. Every node has the same keys:
+
+===================  ===========================================================================
+key                  meaning
+===================  ===========================================================================
+kind                 "controller", "host", "proc" or "actor"
+name                 "controller", the host agent's name, the proc's identity ("pm0.3"), the actor
+                     mesh's name
+state                starting, healthy, busy, hung, failed, restarting, stopping, stopped
+pid                  OS pid (0 if unknown)
+mesh                 the proc mesh's name (procs and actors), else None
+rank                 flat rank in the proc mesh (procs and their actors), else None
+coords               coordinates, dim -> index (procs and their actors), else {}
+restarts             times this proc was restarted (procs and their actors), else 0
+heartbeat_age_s      seconds since the proc's last heartbeat (procs and their actors), else None
+endpoint             the endpoint an actor is running now (None if idle); on a proc, the longest
+                     running one of its actors
+endpoint_running_s   for how long that endpoint has run, seconds (None if idle)
+uptime_s             seconds since the node started serving (None if it is not running)
+detail               extra facts: a proc's exit ({"returncode", "signal"}), "fenced", an actor's
+                     class
+children             the nodes below
+===================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from ..runtime.controller import Controller
+
+__all__ = ["snapshot", "walk", "find", "render", "NODE_STATES"]
+
+NODE_STATES = ("starting", "healthy", "busy", "hung", "failed", "restarting", "stopping", "stopped")
+_ALIVE = ("starting", "healthy", "busy", "hung", "restarting", "stopping")
+
+
+def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> dict:
+    node = {
+        "kind": kind, "name": name, "state": state, "pid": pid, "mesh": None, "rank": None, "coords": {},
+        "restarts": 0, "heartbeat_age_s": None, "endpoint": None, "endpoint_running_s": None,
+        "uptime_s": None, "detail": {}, "children": [],
+    }
+    node.update(extra)
+    return node
+
+
+def snapshot(controller: "Controller", mesh: str | None = None, ranks: set[int] | None = None) -> dict:
+    """The supervision tree now, as plain data (see the module docstring for the keys).
+
+    Args:
+        controller: the controller to read.
+        mesh: only this proc mesh's procs (all meshes if None).
+        ranks: only these flat ranks of ``mesh`` (all if None).
+
+    Returns:
+        The root node (a dict); host agents are its children, procs theirs, actors theirs.
+    """
+    now = time.monotonic()
+    root = _node(
+        "controller", "controller", "stopped" if controller._closed else "healthy", os.getpid(),
+        uptime_s=round(now - getattr(controller, "started_at", now), 3),
+    )
+    hosts: dict[str, dict] = {}
+    for agent in list(controller.agents.values()):
+        running = agent.popen is not None and agent.popen.poll() is None
+        state = ("healthy" if agent.ready.is_set() else "starting") if running else ("stopped" if controller._closed else "failed")
+        started = getattr(agent, "started_at", None)
+        hosts[agent.name] = _node(
+            "host", agent.name, state, agent.pid or (agent.popen.pid if agent.popen else 0),
+            uptime_s=round(now - started, 3) if running and started else None,
+        )
+        root["children"].append(hosts[agent.name])
+    for name, record in list(controller.meshes.items()):
+        if mesh is not None and name != mesh:
+            continue
+        spawns = list(record.actors)
+        for rank, identity in enumerate(record.procs):
+            if ranks is not None and rank not in ranks:
+                continue
+            rec = controller.procs.get(identity)
+            if rec is None:
+                continue
+            proc = _proc_node(rec, spawns, now)
+            host = hosts.get(rec.host)
+            if host is None:
+                host = hosts[rec.host] = _node("host", rec.host, "failed", 0)
+                root["children"].append(host)
+            host["children"].append(proc)
+    return root
+
+
+def _proc_node(rec: Any, spawns: list, now: float) -> dict:
+    alive = rec.state in _ALIVE
+    age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
+    started = getattr(rec, "started_at", 0.0)
+    detail: dict = {}
+    if rec.exit_info:
+        detail["exit"] = dict(rec.exit_info)
+    if rec.fenced:
+        detail["fenced"] = True
+    proc = _node(
+        "proc", rec.identity, rec.state, rec.pid, mesh=rec.mesh, rank=rec.rank, coords=dict(rec.coords),
+        restarts=rec.restarts, heartbeat_age_s=age,
+        uptime_s=round(now - started, 3) if alive and started and rec.state != "restarting" else None, detail=detail,
+    )
+    busy = dict(rec.busy) if alive else {}
+    since_hb = (now - rec.last_heartbeat) if rec.last_heartbeat else 0.0
+    for spawn in spawns:
+        if rec.rank not in spawn.ranks:
+            continue
+        current = busy.get(spawn.name)
+        if rec.state in ("healthy", "busy"):
+            state = "busy" if current else "healthy"
+        else:
+            state = rec.state
+        endpoint, running = (current[0], round(current[1] + since_hb, 3)) if current else (None, None)
+        proc["children"].append(_node(
+            "actor", spawn.name, state, rec.pid, mesh=rec.mesh, rank=rec.rank, coords=dict(rec.coords),
+            restarts=rec.restarts, heartbeat_age_s=age, endpoint=endpoint, endpoint_running_s=running,
+            uptime_s=proc["uptime_s"], detail={"class": getattr(spawn.cls, "__qualname__", str(spawn.cls))},
+        ))
+        if running is not None and (proc["endpoint_running_s"] is None or running > proc["endpoint_running_s"]):
+            proc["endpoint"], proc["endpoint_running_s"] = f"{spawn.name}.{endpoint}", running
+    return proc
+
+
+def walk(tree: dict) -> Iterator[dict]:
+    """Every node of ``tree``, parents before children (depth first)."""
+    yield tree
+    for child in tree["children"]:
+        yield from walk(child)
+
+
+def find(tree: dict, kind: str | None = None, **match: Any) -> list[dict]:
+    """The nodes of ``tree`` of ``kind`` whose keys equal ``match`` (``find(t, "proc", rank=2)``)."""
+    return [n for n in walk(tree) if (kind is None or n["kind"] == kind) and all(n.get(k) == v for k, v in match.items())]
+
+
+def render(tree: dict) -> str:
+    """The tree as indented text, one node a line (for a terminal or a notebook cell)."""
+    lines: list[str] = []
+
+    def visit(node: dict, depth: int) -> None:
+        facts = [node["state"], f"pid {node['pid']}"]
+        if node["rank"] is not None and node["kind"] == "proc":
+            facts.append(f"rank {node['rank']} {node['coords']}")
+        if node["kind"] == "proc" and node["restarts"]:
+            facts.append(f"restarts {node['restarts']}")
+        if node["kind"] == "proc" and node["heartbeat_age_s"] is not None and node["state"] in _ALIVE:
+            facts.append(f"hb {node['heartbeat_age_s']:.2f}s ago")
+        if node["endpoint"]:
+            facts.append(f"in {node['endpoint']} for {node['endpoint_running_s']:.2f}s")
+        if node["uptime_s"] is not None:
+            facts.append(f"up {node['uptime_s']:.1f}s")
+        lines.append(f"{'  ' * depth}{node['kind']} {node['name']}: {', '.join(facts)}")
+        for child in node["children"]:
+            visit(child, depth + 1)
+
+    visit(tree, 0)
+    return "\n".join(lines)
