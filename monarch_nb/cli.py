@@ -1,6 +1,7 @@
 """The ``monarch-nb`` command.
 
     monarch-nb demo [--procs N]        start a local CPU mesh, call actors, inject a fault, recover
+    monarch-nb install-kernel [--user|--sys-prefix|--prefix P]   the "Monarch (Python 3)" kernelspec
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a short tour of the actor mesh on local worker processes")
     demo.add_argument("--procs", type=_positive_int, default=4, help="number of worker processes (default 4)")
     demo.set_defaults(func=_demo)
+    kernel = sub.add_parser("install-kernel", help='install the Jupyter kernelspec "Monarch (Python 3)" (ipykernel with monarch_nb loaded)')
+    where = kernel.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for this user (~/.local/share/jupyter)")
+    where.add_argument("--sys-prefix", action="store_true", help="install into this environment (the default)")
+    where.add_argument("--prefix", help="install into PREFIX/share/jupyter/kernels")
+    kernel.set_defaults(func=_install_kernel)
     return parser
 
 
@@ -59,6 +66,14 @@ def _demo(args: argparse.Namespace) -> int:
         print("healthy slice still answers:", counters.slice(gpus=0).incr.call_one().get())
         procs.restart(last)
         print("after restart in place:", counters.incr.call().get().values())
+    return 0
+
+
+def _install_kernel(args: argparse.Namespace) -> int:
+    from .jupyter.kernelspec import DISPLAY_NAME, KERNEL_NAME, install
+
+    path = install(user=args.user, sys_prefix=args.sys_prefix, prefix=args.prefix)
+    print(f'installed kernelspec "{DISPLAY_NAME}" ({KERNEL_NAME}) in {path}')
     return 0
 
 

@@ -124,6 +124,16 @@ class ActorRunner:
     def stop(self) -> None:
         self.mailbox.put(None)
 
+    def interrupt(self) -> None:
+        """Interrupt the endpoint running now (IO thread): the actor's ``__interrupt__`` hook
+        decides how (``%%mesh`` cells raise KeyboardInterrupt in their thread); no hook, no-op."""
+        hook = getattr(self.instance, "__interrupt__", None)
+        if hook is not None and self.current is not None:
+            try:
+                hook(self.thread.ident)
+            except Exception:
+                log.exception("%s.__interrupt__ raised", self.name)
+
 
 class ProcFaults:
     """Faults that act inside the proc's own code path: raise, slow, nan, partition, stall.
@@ -249,6 +259,10 @@ class Proc:
             self.messenger.proc_recovered(header["proc"])
         elif kind == "fault":
             self.faults.apply(header["fault"], header.get("params", {}))
+        elif kind == "interrupt":
+            runner = self.actors.get(header.get("actor", ""))
+            if runner is not None:
+                runner.interrupt()
         elif kind == "stop":
             self.stop()
 
