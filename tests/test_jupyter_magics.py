@@ -255,3 +255,10 @@ def test_parse_ranks_forms():
         with pytest.raises(RankSpecError, match=r"valid|backwards"):
             parse_ranks(bad, 4)
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_tree_magic_shows_the_widget(kernel):
+    kernel.ok("%mesh start 2")
+    ex = kernel.ok("%mesh tree")
+    assert any("application/vnd.jupyter.widget-view+json" in d for d in ex.displays())
+    kernel.ok("%mesh stop")
