@@ -1,1 +1,43 @@
-"""debug package."""
+"""Debugging failed, paused and hung ranks from the notebook: post-mortem pdb, breakpoints, live stacks.
+
+The controller-side API lives in :mod:`monarch_nb.debug.client` (``debug_targets``,
+``DebugSession``, ``cast``, ``continue_all``, ``stacks``, ``format_stacks``); the ``%mesh debug``
+and ``%mesh stack`` magics in :mod:`monarch_nb.debug.magic`. Worker-side parts:
+:mod:`~monarch_nb.debug.postmortem` (kept failures), :mod:`~monarch_nb.debug.remote_pdb` (pdb
+driven by messages), :mod:`~monarch_nb.debug.stacks` and :mod:`~monarch_nb.debug.agent`.
+Names load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DebugError": "monarch_nb.debug.client",
+    "DebugSession": "monarch_nb.debug.client",
+    "DebugTarget": "monarch_nb.debug.client",
+    "debug_targets": "monarch_nb.debug.client",
+    "format_targets": "monarch_nb.debug.client",
+    "cast": "monarch_nb.debug.client",
+    "continue_all": "monarch_nb.debug.client",
+    "clear_failures": "monarch_nb.debug.client",
+    "format_stacks": "monarch_nb.debug.client",
+    "debug_command": "monarch_nb.debug.magic",
+    "stack_command": "monarch_nb.debug.magic",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch_nb.debug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -75,6 +75,7 @@ class ProcRecord:
     output_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     exit_info: dict | None = None
     fenced: bool = False
+    paused: list = field(default_factory=list)  # breakpoint() sessions holding its actors (debugger)
     ready: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0  # monotonic time of this incarnation's hello
     failure: Any = None  # the supervision Failure of this incarnation, once it failed
@@ -430,6 +431,11 @@ class Controller:
             return
         rec.last_heartbeat = time.monotonic()
         rec.busy = header.get("busy", {})
+        paused = header.get("paused", [])
+        if bool(paused) != bool(rec.paused):  # a user is debugging it: paused, not hung
+            where = ", ".join(f"{p.get('actor')}.{p.get('function')}:{p.get('line')}" for p in paused)
+            self._event("proc_paused" if paused else "proc_continued", rec, detail=where or "continued", cause="debugger")
+        rec.paused = paused
         if rec.state in ("healthy", "busy"):
             rec.state = "busy" if rec.busy else "healthy"
         elif rec.state == "hung" and not rec.fenced:  # it was only slow (fencing off): serving again
@@ -466,6 +472,7 @@ class Controller:
             self._emit_lines(rec.mesh, rec.rank, stream, self._lines.flush((header["proc"], stream)), rec)
         rec.exit_info = {"returncode": header["returncode"], "signal": header.get("signal")}
         rec.busy = {}
+        rec.paused = []
         if rec.state == "stopping":
             rec.state = "stopped"
             self._event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")

@@ -28,6 +28,7 @@ from typing import Any
 from ..actor import context as actor_context
 from ..actor.endpoint import endpoints_of
 from ..actor.shape import Extent
+from ..debug.agent import DebugAgent
 from ..errors import UnknownEndpointError, capture_traceback
 from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
@@ -87,6 +88,7 @@ class ActorRunner:
             ok = True
         except BaseException as exc:  # report everything, KeyboardInterrupt from an interrupt included
             ok, value = False, capture_traceback(exc)
+            self.proc.debug.record_failure(self.name, endpoint, exc)  # post-mortem
             self.proc.report_actor_error(self.name, endpoint, value)
         finally:
             self.current = None
@@ -230,6 +232,7 @@ class Proc:
         messenger_mod.install(self.messenger)
         self.actors: dict[str, ActorRunner] = {}
         self.faults = ProcFaults(self)
+        self.debug = DebugAgent(self, notify=self._heartbeat)  # failures, pdb sessions, stacks
         self._stopping = False
 
     # -- IO thread -------------------------------------------------------------------------------
@@ -263,13 +266,19 @@ class Proc:
             runner = self.actors.get(header.get("actor", ""))
             if runner is not None:
                 runner.interrupt()
+        elif kind == "debug":
+            self.debug.on_message(header, body, buffers)
         elif kind == "stop":
             self.stop()
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        busy = {name: [r.current[0], round(now - r.current[1], 3)] for name, r in self.actors.items() if r.current}
-        self.channel.send("ctrl", {"kind": "hb", "busy": busy})
+        busy = {name: [r.current[0], round(now - r.current[1], 3)] for name, r in list(self.actors.items()) if r.current}
+        hb = {"kind": "hb", "busy": busy}
+        paused = self.debug.paused()  # breakpoint sessions: paused, not hung
+        if paused:
+            hb["paused"] = paused
+        self.channel.send("ctrl", hb)
 
     # -- any thread ------------------------------------------------------------------------------
     def reply(self, header: dict, ok: bool, value: Any) -> None:

@@ -1,0 +1,270 @@
+"""Live Python stacks of every thread of a rank, for finding out where a busy or hung rank is.
+
+Two ways to get them, tried in this order by :func:`monarch_nb.debug.client.stacks`:
+
+1. **Asked over the channel** (:func:`collect`, run on the proc's IO thread): ``sys._current_frames()``
+   with thread names, the actor and endpoint each thread runs, and source lines. This works while
+   Python code holds the GIL (a busy loop gives it up every 5 ms) and while C code that released it
+   waits (a collective blocked on a peer).
+2. **Through a signal** when the IO thread does not answer (a C call that holds the GIL, a partition):
+   each proc registers :mod:`faulthandler` for SIGUSR1 at start, writing into an in-memory file
+   (``memfd``, named :data:`MEMFD_NAME`). The controller, on the same host, opens that file through
+   ``/proc/<pid>/fd``, sends SIGUSR1 and reads what the C-level handler wrote: the stack of every
+   thread, without needing the GIL. Thread names are not known then.
+
+:func:`format_stack` renders a rank's stacks as text, outermost call first like a traceback, with
+the runtime's own frames cut off the top; :func:`group_identical` groups ranks whose stacks read
+the same, the usual shape of a collective hang being "N-1 ranks in all_reduce, one elsewhere".
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import linecache
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .postmortem import is_runtime_frame
+
+if TYPE_CHECKING:
+    from .agent import DebugAgent
+
+__all__ = ["collect", "install_faulthandler", "dump_with_signal", "format_stack", "group_identical", "MEMFD_NAME"]
+
+MEMFD_NAME = "monarch_nb-stacks"
+STACK_SIGNAL = signal.SIGUSR1
+
+_PLUMBING_OUTER = ("threading", "monarch_nb.runtime.")
+_PLUMBING_INNER = ("pdb", "bdb", "cmd", "code", "queue", "threading", "monarch_nb.debug.")
+_PLUMBING_FILES = ("/threading.py", "/monarch_nb/runtime/")
+
+
+def _is(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or (p.endswith(".") and module.startswith(p)) for p in prefixes)
+
+
+# -- worker side -----------------------------------------------------------------------------------
+def collect(agent: "DebugAgent | None" = None) -> dict:
+    """Stacks of every thread of this process, as plain data (call on the proc's IO thread).
+
+    Returns ``{"pid", "source": "live", "threads": [...]}``; each thread has ``name``, ``role``
+    (``"io"``, ``"actor"``, ``"debug"`` or ``"other"``), ``actor``, ``endpoint``, ``running_s``,
+    ``state`` (``"idle"``, ``"busy"``, ``"paused"`` or ``"running"``), ``hidden`` (plumbing
+    frames left out) and ``frames`` (``[filename, line, function, source or None]``, outermost first).
+    """
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    runners = agent.runners_by_thread() if agent is not None else {}
+    paused = agent.sessions_by_thread() if agent is not None else {}
+    now = time.monotonic()
+    threads = []
+    for ident, top in sys._current_frames().items():
+        name = names.get(ident, f"thread {ident:#x}")
+        runner = runners.get(ident)
+        session = paused.get(ident)
+        entry: dict[str, Any] = {"name": name, "role": "other", "actor": None, "endpoint": None,
+                                 "running_s": None, "state": "running", "hidden": 0, "frames": []}
+        if ident == me:
+            entry.update(role="io", state="serving")
+            threads.append(entry)
+            continue
+        if runner is not None:
+            current = runner.current
+            entry.update(role="actor", actor=runner.name)
+            if current is None and session is None:
+                entry["state"] = "idle"
+                threads.append(entry)
+                continue
+            if current is not None:
+                entry.update(endpoint=current[0], running_s=round(now - current[1], 3), state="busy")
+        elif name.startswith("debug-"):
+            entry.update(role="debug", state="idle")
+            threads.append(entry)
+            continue
+        frames = []
+        frame = top
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        frames.reverse()
+        modules = [str(f.f_globals.get("__name__", "")) for f in frames]
+        start, end = 0, len(frames)
+        while start < end - 1 and (_is(modules[start], _PLUMBING_OUTER) or is_runtime_frame(frames[start])):
+            start += 1
+        if session is not None:
+            entry["state"] = "paused"
+            while end > start + 1 and _is(modules[end - 1], _PLUMBING_INNER):
+                end -= 1
+        entry["hidden"] = len(frames) - (end - start)
+        entry["frames"] = [
+            [f.f_code.co_filename, f.f_lineno, f.f_code.co_name,
+             linecache.getline(f.f_code.co_filename, f.f_lineno, f.f_globals).strip() or None]
+            for f in frames[start:end]
+        ]
+        threads.append(entry)
+    order = {"actor": 0, "debug": 1, "other": 2, "io": 3}
+    threads.sort(key=lambda t: (order[t["role"]], t["state"] == "idle", t["name"]))
+    return {"pid": os.getpid(), "source": "live", "threads": threads}
+
+
+def install_faulthandler() -> int | None:
+    """Make SIGUSR1 dump every thread's stack into an in-memory file; return its fd (None if
+    this platform has no ``memfd_create``)."""
+    create = getattr(os, "memfd_create", None)
+    if create is None:
+        return None
+    try:
+        fd = create(MEMFD_NAME)
+        faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return fd
+
+
+# -- controller side --------------------------------------------------------------------------------
+def _process_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _find_memfd(pid: int) -> str | None:
+    base = f"/proc/{pid}/fd"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            target = os.readlink(f"{base}/{entry}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{MEMFD_NAME}"):
+            return f"{base}/{entry}"
+    return None
+
+
+def dump_with_signal(pid: int, timeout_s: float = 2.0) -> dict:
+    """Stacks of local process ``pid`` through its faulthandler (see the module docstring).
+
+    Returns ``{"pid", "source": "faulthandler", "threads": [...]}`` like :func:`collect` (thread
+    names unknown), or ``{"pid", "source": "none", "why": ...}`` when no dump could be had: the
+    process is gone, stopped (SIGSTOP; the signal waits until it continues), or has no dump file.
+    """
+    state = _process_state(pid)
+    if state is None or state in ("Z", "X"):
+        return {"pid": pid, "source": "none", "why": "the process is gone"}
+    if state in ("T", "t"):
+        return {"pid": pid, "source": "none", "why": "the process is stopped (SIGSTOP); it has no stack to show until it continues"}
+    path = _find_memfd(pid)
+    if path is None:
+        return {"pid": pid, "source": "none", "why": "the process has no faulthandler dump file (not a monarch_nb proc, or another host)"}
+    try:
+        with open(path, "rb") as f:
+            start = os.fstat(f.fileno()).st_size
+            os.kill(pid, STACK_SIGNAL)
+            deadline = time.monotonic() + timeout_s
+            size, stable_since = start, time.monotonic()
+            while time.monotonic() < deadline:
+                now_size = os.fstat(f.fileno()).st_size
+                if now_size != size:
+                    size, stable_since = now_size, time.monotonic()
+                elif size > start and time.monotonic() - stable_since > 0.05:
+                    break
+                time.sleep(0.005)
+            f.seek(start)
+            text = f.read(size - start).decode("utf-8", "replace")
+    except (OSError, ProcessLookupError) as exc:
+        return {"pid": pid, "source": "none", "why": f"could not read its dump: {exc}"}
+    if not text:
+        return {"pid": pid, "source": "none", "why": f"no dump within {timeout_s} s"}
+    return {"pid": pid, "source": "faulthandler", "threads": parse_faulthandler(text)}
+
+
+_THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")
+_FRAME_RE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_faulthandler(text: str) -> list[dict]:
+    """faulthandler's text dump as thread entries like :func:`collect`'s (outermost frame first)."""
+    threads: list[dict] = []
+    current: dict | None = None
+    for line in text.splitlines():
+        head = _THREAD_RE.match(line)
+        if head:
+            current = {"name": f"thread {head.group(2)}", "role": "other", "actor": None, "endpoint": None,
+                       "running_s": None, "state": "running", "hidden": 0, "frames": [],
+                       "current": head.group(1) == "Current thread"}
+            threads.append(current)
+            continue
+        frame = _FRAME_RE.match(line)
+        if frame and current is not None:
+            current["frames"].append([frame.group(1), int(frame.group(2)), frame.group(3), None])
+    for thread in threads:
+        frames = list(reversed(thread["frames"]))
+        start = 0
+        while start < len(frames) - 1 and any(p in frames[start][0] for p in _PLUMBING_FILES):
+            start += 1
+        thread["hidden"] = start
+        thread["frames"] = frames[start:]
+        if thread["frames"] and thread["frames"][0][2] == "main" and any("/monarch_nb/runtime/proc.py" in f[0] for f in frames):
+            thread["role"] = "io"
+    return threads
+
+
+def format_stack(data: dict, *, times: bool = True, indent: str = "  ") -> str:
+    """One rank's stacks (from :func:`collect` or :func:`dump_with_signal`) as text.
+
+    Source lines missing on the worker (code defined in notebook cells) are looked up in this
+    process's linecache. ``times=False`` leaves out durations, so equal stacks read the same.
+    """
+    if data.get("source") == "none":
+        return f"{indent}(no stack: {data.get('why')})"
+    lines = []
+    if data.get("source") == "faulthandler":
+        lines.append(f"{indent}(from faulthandler via SIGUSR1: the proc's IO thread did not answer; thread names unknown)")
+    for thread in data.get("threads", []):
+        title = thread["name"]
+        if thread.get("actor"):
+            title += f" (actor {thread['actor']!r})"
+        state = thread.get("state")
+        if thread["role"] == "io":
+            if thread.get("state") == "serving":
+                lines.append(f"{indent}Thread {title}: IO loop, serving")
+                continue
+            title += " (IO loop)"
+        if state == "idle":
+            what = "waiting for commands" if thread["role"] == "debug" else "idle"
+            lines.append(f"{indent}Thread {title}: {what}")
+            continue
+        facts = []
+        if thread.get("endpoint"):
+            facts.append(f"in {thread['endpoint']}" + (f" for {thread['running_s']:.1f} s" if times and thread.get("running_s") is not None else ""))
+        if state == "paused":
+            facts.append("paused in pdb")
+        if thread.get("current"):
+            facts.append("the thread that took the signal")
+        lines.append(f"{indent}Thread {title}" + (f" [{', '.join(facts)}]" if facts else "") + ":")
+        if thread.get("hidden"):
+            lines.append(f"{indent}  ({thread['hidden']} runtime frame(s) hidden)")
+        for filename, lineno, function, source in thread["frames"]:
+            lines.append(f'{indent}  File "{filename}", line {lineno}, in {function}')
+            source = source or linecache.getline(filename, lineno).strip()
+            if source:
+                lines.append(f"{indent}    {source}")
+    return "\n".join(lines)
+
+
+def group_identical(texts: dict[int, str]) -> list[tuple[list[int], str]]:
+    """Group ranks whose text is identical: ``[(ranks, text), ...]``, biggest group first."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        groups.setdefault(texts[rank], []).append(rank)
+    return sorted(((ranks, text) for text, ranks in groups.items()), key=lambda g: (-len(g[0]), g[0][0]))
