@@ -563,7 +563,7 @@ class Controller:
         self.channel.send(rec.host, {"kind": "spawn_procs"}, json.dumps([rec.spec]).encode())
         if not rec.ready.wait(timeout_s):
             raise TimeoutError(f"proc {identity} did not come back within {timeout_s} s")
-        if rec.state != "healthy":
+        if rec.state not in ("healthy", "busy"):  # busy: a heartbeat already saw an endpoint running
             raise RuntimeError(f"proc {identity} restarted but is {rec.state}: {self.events.events()[-1].detail}")
 
     # -- shutdown ---------------------------------------------------------------------------------
