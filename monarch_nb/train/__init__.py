@@ -1,1 +1,55 @@
-"""train package."""
+"""Fault-tolerant data-parallel training on a local mesh: ``fit`` (blocking) and ``start`` (background).
+
+    import monarch_nb.train as mt
+    report = mt.fit("digits", procs=4, steps=300, faults=["kill@120:rank=2", "hang@200:rank=1"])
+    print(report)                       # final loss, test accuracy, failures and their latencies
+    run = mt.start("digits", procs=4)   # in a notebook: returns at once
+    run.subscribe(print); run.wait(); run.report().to_json("report.json")
+
+See :mod:`monarch_nb.train.loop` for how failures are handled, :mod:`.trainer` for the actor,
+:mod:`.data` for the sample order and ledger, :mod:`.workloads` for what can be trained.
+Names load lazily, so importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "fit": "monarch_nb.train.loop",
+    "start": "monarch_nb.train.loop",
+    "TrainingRun": "monarch_nb.train.loop",
+    "TrainReport": "monarch_nb.train.loop",
+    "FailureRecord": "monarch_nb.train.loop",
+    "TrainingError": "monarch_nb.train.loop",
+    "Workload": "monarch_nb.train.workloads",
+    "get_workload": "monarch_nb.train.workloads",
+    "FaultSpec": "monarch_nb.train.faultspec",
+    "parse_fault": "monarch_nb.train.faultspec",
+    "SampleOrder": "monarch_nb.train.data",
+    "SampleLedger": "monarch_nb.train.data",
+    "Trainer": "monarch_nb.train.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .data import SampleLedger, SampleOrder
+    from .faultspec import FaultSpec, parse_fault
+    from .loop import FailureRecord, TrainingError, TrainingRun, TrainReport, fit, start
+    from .trainer import Trainer
+    from .workloads import Workload, get_workload
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch_nb.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
