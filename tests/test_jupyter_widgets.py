@@ -106,6 +106,26 @@ def test_dashboard_from_synthetic_metrics():
         dash.close()
 
 
+def test_dashboard_reads_training_recovery_records():
+    dash = TrainingDashboard(total_steps=200)
+    try:
+        for step in range(120):
+            dash.add_metric({"type": "step", "step": step, "loss": 1.0, "accuracy": 0.5, "live_ranks": [0, 1, 2, 3]})
+        base = {"type": "recovery", "kind": "kill", "rank": 2, "step": 100}
+        dash.add_record({**base, "event": "failed", "latency_s": 0.0})
+        dash.add_record({**base, "event": "detected", "latency_s": 0.074})
+        dash.add_record({**base, "event": "resumed", "latency_s": 0.119})
+        dash.add_record({**base, "event": "rejoined", "latency_s": 9.8})
+        wait_until(lambda: len(dash.figures) == 3 and len(dash.timeline) == 4, 5, message="figures shown")
+        assert dash.figures["detection"]["median_ms"] == pytest.approx(74.0)
+        assert dash.figures["resume"]["median_ms"] == pytest.approx(119.0)
+        assert dash.figures["rejoin"]["median_ms"] == pytest.approx(9800.0)
+        assert [m["type"] for m in dash.markers] == ["fault", "recovered", "recovered"]
+        assert dash.markers[0]["step"] == 100 and "kill on rank 2: failed" in dash.markers[0]["label"]
+    finally:
+        dash.close()
+
+
 def test_dashboard_downsamples_and_rate_limits():
     dash = TrainingDashboard(total_steps=5000, max_hz=10)
     try:
@@ -140,7 +160,7 @@ def test_dashboard_marks_supervision_events(procs4):
                 return False
 
         run = FakeRun()
-        dash.attach(run, Controller.get())
+        dash.attach(run, Controller.get(), mesh=procs4.name)
         run.fn({"step": 1, "loss": 0.5, "accuracy": 0.2})
         procs4.inject(1, "kill")
         wait_until(lambda: any(m["type"] == "fault" and "rank 1" in m["label"] for m in dash.markers), 5, message="a fault marker")

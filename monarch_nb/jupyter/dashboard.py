@@ -10,8 +10,10 @@ most ``max_hz`` times a second, inside ``hold_sync()``.
 
 Recognised inputs:
     metric: ``{"step", "loss", "accuracy", "time_s", "epoch", "live_ranks"}`` (a dict with "loss").
-    recovery record: a dict with a ``kind``/``event`` name and any of ``step``, ``rank``,
-        ``detection_ms`` / ``detect_ms``, ``resume_ms``, ``rejoin_ms`` (``*_s`` variants too).
+    recovery record: ``monarch_nb.train``'s ``{"type": "recovery", "event": "failed" | "detected"
+        | "resumed" | "rejoined", "kind", "rank", "step", "latency_s"}`` (latency from the fault's
+        injection), or any dict with a ``kind`` and some of ``detection_ms``, ``resume_ms``,
+        ``rejoin_ms`` (``*_s`` variants too).
     supervision event: :class:`~monarch_nb.supervision.events.Event` (faults and failures become
         red markers, restarts green ones).
 """
@@ -177,6 +179,8 @@ class TrainingDashboard(anywidget.AnyWidget):
 
     def add_record(self, record: dict) -> None:
         """A recovery record from the training run: a marker, a timeline row, figures."""
+        if record.get("type") == "recovery" and "event" in record:
+            return self._add_train_record(record)
         kind = str(record.get("kind") or record.get("event") or record.get("type") or "recovery")
         step = record.get("step")
         if step is None:
@@ -200,6 +204,26 @@ class TrainingDashboard(anywidget.AnyWidget):
             label += f" ({detail})"
         self._add_marker(marker_type, int(step), label)
 
+    def _add_train_record(self, record: dict) -> None:
+        """``monarch_nb.train``'s records: event failed | detected | resumed | rejoined, with
+        ``latency_s`` measured from the fault's injection."""
+        event, rank, kind = record["event"], record.get("rank"), record.get("kind", "fault")
+        step = record.get("step")
+        step = self._last_step() if step is None else int(step)
+        latency = record.get("latency_s")
+        figure = {"detected": "detection", "resumed": "resume", "rejoined": "rejoin"}.get(event)
+        if figure is not None and isinstance(latency, (int, float)):
+            with self._lock:
+                self._samples[figure].append(float(latency) * 1000.0)
+        after = f" after {float(latency) * 1000:.0f} ms" if isinstance(latency, (int, float)) and event != "failed" else ""
+        label = f"{kind} on rank {rank}: {event}{after}"
+        if event == "failed":
+            self._add_marker("fault", step, label)
+        elif event in ("resumed", "rejoined"):
+            self._add_marker("recovered", self._last_step() if event == "rejoined" else step, label)
+        else:
+            self._add_marker("info", step, label, chart=False)
+
     def add_event(self, event: Any) -> None:
         """A supervision event: faults and failures are red markers, restarts green ones."""
         if event.kind in _FAULT_EVENTS:
@@ -210,10 +234,11 @@ class TrainingDashboard(anywidget.AnyWidget):
             return
         self._add_marker(kind, self._last_step(), f"{event.kind} rank {event.rank}: {event.detail}", when=event.time)
 
-    def _add_marker(self, kind: str, step: int, label: str, when: float | None = None) -> None:
+    def _add_marker(self, kind: str, step: int, label: str, when: float | None = None, chart: bool = True) -> None:
         when = time.time() if when is None else when
         with self._lock:
-            self._markers.append({"type": kind, "step": step, "label": label})
+            if chart:
+                self._markers.append({"type": kind, "step": step, "label": label})
             self._timeline.append({"type": kind, "step": step, "label": label, "time": when,
                                    "clock": time.strftime("%H:%M:%S", time.localtime(when))})
         self._dirty.set()
@@ -230,10 +255,12 @@ class TrainingDashboard(anywidget.AnyWidget):
         self._dirty.set()
 
     # -- following a run --------------------------------------------------------------------------
-    def attach(self, run: Any, controller: Any = None) -> "TrainingDashboard":
-        """Follow ``run`` (a ``monarch_nb.train`` TrainingRun) and the controller's events."""
-        from ..runtime.controller import Controller
+    def attach(self, run: Any, controller: Any = None, mesh: str | None = None) -> "TrainingDashboard":
+        """Follow ``run`` (a ``monarch_nb.train`` TrainingRun: its metrics and recovery records).
 
+        With ``controller`` (and ``mesh``), supervision events of that proc mesh become markers
+        too, for runs that do not report recoveries themselves.
+        """
         self.run = run
         for metric in list(getattr(run, "metrics", []) or []):
             self.add_metric(metric)
@@ -249,9 +276,7 @@ class TrainingDashboard(anywidget.AnyWidget):
         unsubscribe = run.subscribe(on_item)
         if callable(unsubscribe):
             self._unsubscribe.append(unsubscribe)
-        controller = controller or Controller.existing()
         if controller is not None:
-            mesh = getattr(getattr(run, "procs", None), "name", None)
 
             def on_event(event: Any) -> None:
                 if mesh is None or event.mesh == mesh:
@@ -266,23 +291,17 @@ class TrainingDashboard(anywidget.AnyWidget):
         run = self.run
         while not self._stop.is_set():
             try:
-                if run.wait(0.5) if _takes_timeout(run.wait) else run.done():
+                if run.wait(0.5):
                     break
             except Exception:
                 break
-            if run.done():
-                break
-            self._stop.wait(0.2)
+        if self._stop.is_set():
+            return
         try:
-            report = run.report()
-            text = str(report)
-            data = report.to_dict() if hasattr(report, "to_dict") else {}
-            for record in data.get("recoveries", []) or []:
-                if isinstance(record, dict) and not any(r["label"].startswith(str(record.get("kind", ""))) for r in self._timeline):
-                    self.add_record(record)
-            self.set_status("done", text)
+            report = run.report(timeout=5)
+            self.set_status("done", str(report))
         except Exception as exc:
-            self.set_status(f"ended ({type(exc).__name__}: {exc})")
+            self.set_status(f"ended with {type(exc).__name__}: {exc}")
 
     # -- pushing ----------------------------------------------------------------------------------
     def _push(self) -> None:
@@ -350,15 +369,6 @@ def _downsample(points: list[dict], limit: int) -> list[dict]:
     stride = len(points) / limit
     picked = [points[int(i * stride)] for i in range(limit - 1)]
     return picked + [points[-1]]
-
-
-def _takes_timeout(fn: Any) -> bool:
-    import inspect
-
-    try:
-        return len(inspect.signature(fn).parameters) >= 1
-    except (TypeError, ValueError):
-        return False
 
 
 def _follow(ref: "weakref.ref[TrainingDashboard]", dirty: threading.Event, stop: threading.Event) -> None:

@@ -118,7 +118,7 @@ def build_line_parser() -> _Parser:
 
     p = sub.add_parser("train", help="start fault-tolerant training in the background and show the dashboard",
                        description="Start fault-tolerant data-parallel training in the background (the kernel stays free) and show its dashboard.\n"
-                       "Faults: --fault KIND@STEP[:RANK], repeatable, e.g. --fault kill@50:2 --fault nan@80",
+                       "Faults: --fault KIND@STEP[:RANK] (or KIND@STEP:rank=R,param=V), repeatable, e.g. --fault kill@50:2 --fault nan@80",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="digits", help="training workload (default: digits)")
     p.add_argument("--procs", type=_positive_int, default=None, help="number of training procs (default 4)")
@@ -187,19 +187,20 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
     return params
 
 
-def _parse_fault_spec(spec: str) -> dict:
-    """``kill@50:2`` -> {"kind": "kill", "step": 50, "rank": 2}; the rank defaults to the last one."""
-    try:
-        kind, rest = spec.split("@", 1)
-        step, _, rank = rest.partition(":")
-        out = {"kind": kind, "step": int(step)}
-        if rank:
-            out["rank"] = int(rank)
-    except ValueError:
-        raise UsageError(f"--fault {spec!r}: expected KIND@STEP[:RANK], e.g. kill@50:2") from None
+def _parse_fault_spec(spec: str, procs: int) -> str:
+    """``kill@50:2`` or ``kill@50:rank=2[,param=v]`` -> the training fault spec ``kill@50:rank=2``;
+    with no rank, the last one."""
+    kind, at, rest = spec.partition("@")
+    if not at or not kind:
+        raise UsageError(f"--fault {spec!r}: expected KIND@STEP[:RANK] or KIND@STEP:rank=R[,param=value], e.g. kill@50:2")
     if kind not in _fault_kinds():
         raise UsageError(f"--fault {spec!r}: unknown fault kind {kind!r}; valid kinds: {', '.join(_fault_kinds())}")
-    return out
+    step, _, params = rest.partition(":")
+    if params.strip().isdigit():
+        params = f"rank={params.strip()}"
+    elif "rank=" not in params:
+        params = f"rank={procs - 1}" + (f",{params}" if params else "")
+    return f"{kind}@{step}:{params}"
 
 
 @magics_class
@@ -294,18 +295,31 @@ class MeshMagics(Magics):
         return procs
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
-        sess = session_mod.current()
-        print(status_text(sess))
+        sess = session_mod.current(required=False)
+        if sess is not None:
+            print(status_text(sess.controller, sess.mesh_name, sess.world_size, sess.dist_backend,
+                              [r for r in sess.background if not r.done()]))
+        train = _training_run()
+        if train is not None and not train.done():
+            from ..runtime.controller import Controller
+
+            procs = train.procs
+            print(f"training run: step {train.step}, live ranks {train.live_ranks}")
+            print(status_text(Controller.get(), procs.name, len(procs)))
+        elif sess is None:
+            raise session_mod.NoMeshError()
 
     def _cmd_tree(self, args: argparse.Namespace) -> None:
         from IPython.display import display
 
         from .tree_widget import SupervisionTree
 
-        sess = session_mod.current(required=False)
         from ..runtime.controller import Controller
 
-        if sess is None and Controller.existing() is None:
+        sess = session_mod.current(required=False)
+        controller = Controller.existing()
+        running = controller is not None and any(not m.stopped for m in controller.meshes.values())
+        if sess is None and _training_run() is None and not running:
             raise session_mod.NoMeshError()
         widget = SupervisionTree()
         if sess is not None:
@@ -314,6 +328,11 @@ class MeshMagics(Magics):
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
         sess = session_mod.current(required=False)
+        train = _training_run()
+        if sess is None and train is not None and not train.done():
+            train.stop()
+            print("training run stopped")
+            return
         if sess is None:
             print("no mesh is running (start one with `%mesh start 4`)")
             return
@@ -402,14 +421,13 @@ class MeshMagics(Magics):
         previous = _training_run()
         if previous is not None and not previous.done():
             raise UsageError("a training run is already going; wait for it or stop it (`%mesh stop` stops it too)")
-        faults = [_parse_fault_spec(f) for f in args.fault]
         procs = args.procs or 4
-        for fault in faults:
-            if "rank" in fault and not 0 <= fault["rank"] < procs:
-                raise UsageError(f"--fault: rank {fault['rank']} is out of range; valid ranks are 0..{procs - 1}")
-            fault.setdefault("rank", procs - 1)
+        faults = [_parse_fault_spec(f, procs) for f in args.fault]
+        try:
+            run = start(workload=args.workload, procs=procs, steps=args.steps, faults=faults, seed=args.seed)
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
         dashboard = TrainingDashboard(total_steps=args.steps)
-        run = start(workload=args.workload, procs=procs, steps=args.steps, faults=faults, seed=args.seed, progress=False)
         dashboard.attach(run)
         _set_training_run(run, dashboard)
         display(dashboard)
@@ -537,20 +555,20 @@ def _record(procs: Any, rank: int) -> Any:
     return Controller.get().proc_record(procs.name, rank)
 
 
-def status_text(sess: Any) -> str:
+def status_text(controller: Any, mesh: str, world_size: int, dist_backend: str | None = None, running: list | None = None) -> str:
+    """One line per rank (state, pid, heartbeat age, restarts, running endpoint) and the last events."""
     now = time.monotonic()
-    rows = [f"mesh {sess.mesh_name}: {sess.world_size} procs"
-            f"{', torch.distributed ' + sess.dist_backend if sess.dist_backend else ''}",
+    rows = [f"mesh {mesh}: {world_size} procs"
+            f"{', torch.distributed ' + dist_backend if dist_backend else ''}",
             f"{'rank':>4}  {'state':<10} {'pid':>7}  {'heartbeat':>9}  {'restarts':>8}  endpoint"]
-    for rank in range(sess.world_size):
-        rec = sess.record(rank)
+    for rank in range(world_size):
+        rec = controller.proc_record(mesh, rank)
         age = f"{now - rec.last_heartbeat:.1f} s" if rec.last_heartbeat and rec.alive else "-"
         busy = ", ".join(f"{a}.{ep} ({s:.1f} s)" for a, (ep, s) in rec.busy.items()) or "-"
         rows.append(f"{rank:>4}  {rec.state:<10} {rec.pid:>7}  {age:>9}  {rec.restarts:>8}  {busy}")
-    running = [r for r in sess.background if not r.done()]
     if running:
         rows.append(f"background cells running: {', '.join(r.filename for r in running)}")
-    events = [e for e in sess.controller.events.events() if e.mesh == sess.mesh_name][-5:]
+    events = [e for e in controller.events.events() if e.mesh == mesh][-5:]
     if events:
         rows.append("last events:")
         for e in events:

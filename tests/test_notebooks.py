@@ -1,0 +1,63 @@
+"""Every notebook in notebooks/ runs top to bottom through nbclient, with a real kernel and mesh.
+
+Cells tagged ``parameters`` may be followed by overrides (as papermill injects them), so the
+tests train for fewer steps than a person would. Executed notebooks are saved under
+test-artifacts/notebooks/ for inspection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from .conftest import pid_alive, wait_until
+from .jupyter_kernel import kernelspec_prefix
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
+#: parameter overrides per notebook (injected after its "parameters" cell)
+OVERRIDES = {"02_fault_tolerant_training.ipynb": {"steps": 300}}
+
+_PIDS_CELL = (
+    "from monarch_nb.runtime.controller import Controller as _C\n"
+    "_c = _C.existing()\n"
+    "print('PIDS', [r.pid for r in _c.procs.values() if r.pid] + [a.popen.pid for a in _c.agents.values() if a.popen] if _c else [])"
+)
+
+
+def test_there_are_notebooks():
+    names = {p.name for p in NOTEBOOKS}
+    assert {"01_quickstart.ipynb", "02_fault_tolerant_training.ipynb", "04_workshop.ipynb"} <= names
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path):
+    kernelspec_prefix()
+    nb = nbformat.read(path, as_version=4)
+    assert nb.metadata.get("kernelspec", {}).get("name"), f"{path.name} has no metadata.kernelspec"
+    overrides = OVERRIDES.get(path.name, {})
+    if overrides:
+        index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+        source = "\n".join(f"{k} = {v!r}" for k, v in overrides.items())
+        cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+        nb.cells.insert(index + 1, cell)
+    nb.cells.append(nbformat.v4.new_code_cell(_PIDS_CELL))
+    client = NotebookClient(nb, kernel_name="monarch", timeout=240, resources={"metadata": {"path": str(ROOT / "notebooks")}})
+    try:
+        client.execute()
+    finally:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, ARTIFACTS / path.name)
+    text = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
+    pids = json.loads(text.split("PIDS", 1)[1].strip()) if "PIDS" in text else []
+    wait_until(lambda: not [p for p in pids if pid_alive(p)], 10.0, message=f"{path.name}'s workers {pids} gone")
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"
+              and "raises-exception" not in c.metadata.get("tags", [])]
+    assert not errors
