@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make demo` (set up, run the main job) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEMO_ARGS ?=
+DEMO_ARGS ?= --procs 4 --steps 300 --fault kill@120:rank=2 --fault hang@200:rank=1
 
 .PHONY: setup demo test bench clean
 
@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup-venv.sh
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m monarch_nb.cli demo $(DEMO_ARGS)
+	$(PY) -m monarch_nb.cli train $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -191,6 +191,7 @@ class _Options:
     checkpoint_every: int
     resume: bool
     report_json: str | None
+    keep_parameters: bool
 
 
 class TrainingRun:
@@ -203,6 +204,8 @@ class TrainingRun:
         recoveries: one dict per recovery event: ``{"type": "recovery", "event": "failed" |
             "detected" | "resumed" | "rejoined", "kind", "rank", "step", "latency_s", "time_s"}``.
         ledger: the :class:`~monarch_nb.train.data.SampleLedger`.
+        parameters: with ``keep_parameters=True``, ``{rank: state dict of CPU tensors}`` of every
+            live replica at the end (else empty).
     """
 
     def __init__(self, options: _Options):
@@ -210,6 +213,7 @@ class TrainingRun:
         self.metrics: list[dict] = []
         self.recoveries: list[dict] = []
         self.ledger = SampleLedger()
+        self.parameters: dict[int, dict] = {}
         self.order = SampleOrder(options.workload.num_train, options.global_batch, options.seed)
         self._subscribers: list[Callable[[dict], None]] = []
         self._stop = threading.Event()
@@ -711,6 +715,8 @@ class TrainingRun:
         digests = {v["params_sha256"] for v in sums.values()}
         applied = {v["applied_steps"] for v in sums.values()}
         ev = self._one[min(self._live)].evaluate.call_one(last).get(timeout)
+        if o.keep_parameters:
+            self.parameters = self._gather({r: self._one[r].parameters.call_one(last) for r in self._live}, timeout)[0]
         audit = self.ledger.audit(self.order, self._step)
         wall = max(1e-9, t_end - self._t_train0)
         committed_samples = sum(len(self.ledger.consumed(s)) for s in self.ledger.entries)
@@ -826,6 +832,7 @@ def _options(
     checkpoint_every: int = 0,
     resume: bool = False,
     report_json: str | None = None,
+    keep_parameters: bool = False,
 ) -> _Options:
     from ..config import config
 
@@ -853,7 +860,7 @@ def _options(
         global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s, chaos_kinds=tuple(chaos_kinds),
         eval_every=eval_every, collective_timeout_s=collective_timeout_s, restart_timeout_s=restart_timeout_s,
         chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-        report_json=report_json,
+        report_json=report_json, keep_parameters=keep_parameters,
     )
 
 
@@ -906,7 +913,8 @@ def fit(
             ``chaos_kinds``, ``eval_every`` (steps, 0 = only at the end),
             ``collective_timeout_s``, ``restart_timeout_s``, ``chunk_bytes`` (heal chunk size),
             ``checkpoint_dir`` / ``checkpoint_every`` / ``resume`` (disk checkpoints for full-job
-            restarts), ``report_json`` (path to write the report to).
+            restarts), ``report_json`` (path to write the report to), ``keep_parameters``
+            (fetch every replica's final parameters into ``run.parameters``).
 
     Returns:
         The :class:`TrainReport` (also written as JSON to ``report_json`` if given).
