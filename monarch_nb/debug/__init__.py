@@ -23,6 +23,7 @@ _EXPORTS = {
     "continue_all": "monarch_nb.debug.client",
     "clear_failures": "monarch_nb.debug.client",
     "format_stacks": "monarch_nb.debug.client",
+    "record_failure": "monarch_nb.debug.agent",
     "debug_command": "monarch_nb.debug.magic",
     "stack_command": "monarch_nb.debug.magic",
 }

@@ -42,7 +42,7 @@ from .remote_pdb import Session
 if TYPE_CHECKING:
     from ..runtime.proc import Proc
 
-__all__ = ["DebugAgent", "current"]
+__all__ = ["DebugAgent", "current", "record_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,18 @@ _current: "DebugAgent | None" = None
 def current() -> "DebugAgent | None":
     """This process's agent (None outside a worker proc)."""
     return _current
+
+
+def record_failure(exc: BaseException, actor: str = "", endpoint: str = "") -> None:
+    """Keep ``exc`` for post-mortem debugging on this proc, as if an endpoint had raised it.
+
+    For code that catches an exception to report it itself (the ``%%mesh`` cell executor turns
+    a failed cell into a result), so ``%mesh debug RANK`` and ``%%mesh --frame`` still reach its
+    frames. Outside a worker proc it does nothing.
+    """
+    agent = _current
+    if agent is not None:
+        agent.record_failure(actor or threading.current_thread().name, endpoint or "?", exc)
 
 
 class DebugAgent:

@@ -44,6 +44,7 @@ __all__ = [
     "format_targets",
     "cast",
     "continue_all",
+    "wait_paused",
     "clear_failures",
     "stacks",
     "format_stacks",
@@ -466,7 +467,9 @@ def cast(ranks: Iterable[int] | None, line: str, mesh: "ProcMesh | str | None" =
         for rank, text in pool.map(run, sorted(targets)):
             out[rank] = text
     for rank in chosen:
-        out.setdefault(rank, "(nothing to debug on this rank)\n")
+        rec = _record(name, rank)
+        note = "nothing to debug on this rank" if rec.alive else f"dead: {_dead_reason(rec)}"
+        out.setdefault(rank, f"({note})\n")
     return dict(sorted(out.items()))
 
 
@@ -490,6 +493,27 @@ def continue_all(mesh: "ProcMesh | str | None" = None, timeout_s: float = QUICK_
                 texts.append(f"({exc})\n")
         out[rank] = "".join(texts)
     return out
+
+
+def wait_paused(count: int = 1, mesh: "ProcMesh | str | None" = None, timeout_s: float = 30.0) -> list[DebugTarget]:
+    """Block until ``count`` ranks of the mesh are paused at a ``breakpoint()``; return them.
+
+    For scripts and unattended notebooks that start a call without waiting for it (``fut =
+    actors.step.call()``) and then debug it.
+
+    Raises:
+        TimeoutError: fewer than ``count`` ranks paused within ``timeout_s`` (the message says how many did).
+        DebugError: no proc mesh, or an unknown mesh.
+    """
+    name = _mesh_name(mesh)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        paused = [r for r in _records(name) if r.paused]
+        if len(paused) >= count:
+            return [t for t in debug_targets(name, include_all_meshes=False) if t.kind == "paused"]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(paused)} of the {count} rank(s) waited for paused within {timeout_s} s")
+        time.sleep(0.02)
 
 
 def clear_failures(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None = None) -> dict[int, int]:
@@ -531,10 +555,11 @@ def stack_data(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None
         rec = records[rank]
         try:
             out[rank] = future.get(max(0.01, deadline - time.monotonic()))
-        except SupervisionError as exc:
-            out[rank] = {"pid": rec.pid, "source": "none", "why": f"rank {rank} is dead: {exc}"}
-        except TimeoutError:
-            out[rank] = stacks_mod.dump_with_signal(rec.pid)
+        except (SupervisionError, TimeoutError) as exc:  # no answer: ask the process itself
+            if rec.alive and rec.pid:
+                out[rank] = stacks_mod.dump_with_signal(rec.pid)
+            else:
+                out[rank] = {"pid": rec.pid, "source": "none", "why": f"rank {rank} is dead: {exc}"}
     return dict(sorted(out.items()))
 
 

@@ -57,6 +57,17 @@ class RemotePdb(pdb.Pdb):
             return False
         return super().stop_here(frame)
 
+    def dispatch_return(self, frame, arg):
+        result = super().dispatch_return(frame, arg)
+        caller = frame.f_back
+        if (self.session.kind == "breakpoint" and self.session.state == "running" and not self.quitting
+                and caller is not None and is_runtime_frame(caller)):
+            # Stepping left the endpoint: back in the actor runner there is nothing to step
+            # through (the next stop would be inside the runtime), so the rank just continues.
+            self.set_continue()
+            self.session.leave(True)
+        return result
+
     def get_stack(self, f, t):
         """pdb's stack without the thread start-up and actor-runner frames above the endpoint."""
         stack, index = super().get_stack(f, t)
