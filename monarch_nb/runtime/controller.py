@@ -435,6 +435,8 @@ class Controller:
         if bool(paused) != bool(rec.paused):  # a user is debugging it: paused, not hung
             where = ", ".join(f"{p.get('actor')}.{p.get('function')}:{p.get('line')}" for p in paused)
             self._event("proc_paused" if paused else "proc_continued", rec, detail=where or "continued", cause="debugger")
+            if paused:  # a hint where the user looks: the rank's output, in the notebook
+                self._emit_lines(rec.mesh, rec.rank, "stderr", [f"paused at breakpoint() in {where}: %mesh debug attaches"], None)
         rec.paused = paused
         if rec.state in ("healthy", "busy"):
             rec.state = "busy" if rec.busy else "healthy"
