@@ -44,6 +44,7 @@ def test_tree_follows_a_kill_click_and_a_restart_click(tree, procs4):
     wait_until(lambda: tree.proc_states().get(2) == "healthy", 10, message="the widget showing rank 2 healthy again")
     node = tree.proc_node(2)
     assert node["restarts"] == 1 and node["pid"] != old_pid
+    assert node["failures"] == 1 and node["last_failure"]["cause"] == "SIGKILL"
     assert "restarted" in tree.status
 
 

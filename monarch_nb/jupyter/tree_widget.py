@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 #: the fault buttons on each proc, in order
 BUTTON_FAULTS = ("kill", "hang", "nan", "slow", "partition", "raise")
 _MARKER = "\x1emnb:"
+#: a proc that failed shows as failed for at least this long, even when it is restarted at once
+#: (a training run restarts a killed rank within milliseconds: the red would not be seen)
+FAILED_HOLD_S = 1.5
+_FAILURE_EVENTS = ("proc_exited", "proc_hung")
 
 _ESM = r"""
 const COLORS = {healthy: "#2e7d32", busy: "#1565c0", starting: "#9e9e9e", hung: "#ef6c00",
@@ -46,6 +50,11 @@ function el(tag, attrs = {}, ...kids) {
   }
   for (const k of kids) if (k !== null && k !== undefined) e.append(k);
   return e;
+}
+
+function short(text) {
+  const line = String(text || "").split("\n")[0];
+  return line.length > 140 ? line.slice(0, 137) + "..." : line;
 }
 
 function fmt(s) { return s === null || s === undefined ? "-" : `${Number(s).toFixed(1)} s`; }
@@ -75,7 +84,11 @@ function render({ model, el: host }) {
     const visit = (node, depth) => {
       const row = el("div", {class: `mnb-node mnb-${node.kind}`, "data-name": node.name, "data-state": node.state,
         style: `margin-left:${depth * 18}px`});
-      if (node.kind === "proc") { row.setAttribute("data-rank", node.rank); row.setAttribute("data-mesh", node.mesh); }
+      if (node.kind === "proc") {
+        row.setAttribute("data-rank", node.rank); row.setAttribute("data-mesh", node.mesh);
+        row.setAttribute("data-pid", node.pid); row.setAttribute("data-failures", node.failures || 0);
+        row.setAttribute("data-restarts", node.restarts);
+      }
       row.append(label(node));
       if (node.kind === "proc") {
         const key = `${node.mesh}.${node.rank}`;
@@ -91,6 +104,11 @@ function render({ model, el: host }) {
           onclick: () => model.send({action: "restart", mesh: node.mesh, rank: node.rank})}, "restart");
         if (pending || node.state === "restarting") r.disabled = true;
         row.append(r);
+        if (node.last_failure) {
+          const f = node.last_failure;
+          row.append(el("span", {class: "mnb-failure", title: f.detail}, ` last failure ${f.clock}: ${f.cause || f.kind}` +
+            (node.failures > 1 ? ` (${node.failures} in all)` : "")));
+        }
       }
       root.append(row);
       for (const child of node.children || []) visit(child, depth + 1);
@@ -109,7 +127,7 @@ function render({ model, el: host }) {
       for (const [k, v] of facts) if (v !== null && v !== undefined) box.append(el("div", {}, `${k}: ${v}`));
       if ((d.events || []).length) {
         box.append(el("div", {class: "mnb-title"}, "events"));
-        for (const e of d.events) box.append(el("div", {class: "mnb-event"}, `${e.clock} ${e.kind} ${e.detail}`));
+        for (const e of d.events) box.append(el("div", {class: "mnb-event", title: e.detail}, `${e.clock} ${e.kind} ${short(e.detail)}`));
       }
       box.append(el("div", {class: "mnb-title"}, "last output"));
       box.append(el("pre", {class: "mnb-output"}, (d.output || []).join("\n") || "(none)"));
@@ -119,8 +137,8 @@ function render({ model, el: host }) {
     if (events.length) {
       const log = el("div", {class: "mnb-events"}, el("div", {class: "mnb-title"}, "recent events"));
       for (const e of events.slice().reverse())
-        log.append(el("div", {class: "mnb-event", "data-kind": e.kind, "data-rank": e.rank},
-          `${e.clock} ${e.mesh}.${e.rank} ${e.kind} ${e.detail}`));
+        log.append(el("div", {class: "mnb-event", "data-kind": e.kind, "data-rank": e.rank, title: e.detail},
+          `${e.clock} ${e.mesh}.${e.rank} ${e.kind} ${short(e.detail)}`));
       root.append(log);
     }
   };
@@ -132,12 +150,13 @@ export default { render };
 
 _CSS = """
 .mnb-tree { font-family: var(--jp-code-font-family, monospace); font-size: 12px; line-height: 1.7; }
-.mnb-node { white-space: nowrap; }
+.mnb-node { display: flex; flex-wrap: wrap; align-items: center; row-gap: 2px; }
 .mnb-label { cursor: pointer; margin-right: 8px; }
 .mnb-selected { text-decoration: underline; font-weight: bold; }
 .mnb-dot { display: inline-block; width: 9px; height: 9px; border-radius: 50%; margin-right: 6px; }
 .mnb-btn { font-size: 11px; padding: 0 5px; margin-right: 3px; cursor: pointer; }
 .mnb-restart { margin-left: 6px; }
+.mnb-failure { color: #c62828; margin-left: 6px; }
 .mnb-status { margin-top: 4px; color: #555; }
 .mnb-details { margin-top: 6px; padding: 4px 8px; border-left: 3px solid #90caf9; }
 .mnb-title { font-weight: bold; margin-top: 4px; }
@@ -190,9 +209,25 @@ class SupervisionTree(anywidget.AnyWidget):
 
         tree = snapshot(self._controller, self._mesh)
         running = {name for name, m in self._controller.meshes.items() if not m.stopped}
+        failures: dict[tuple, list] = {}
+        for event in self._controller.events.events():
+            if event.kind in _FAILURE_EVENTS:
+                failures.setdefault((event.mesh, event.rank), []).append(event)
+        now = time.monotonic()
         for host in tree.get("children", []):
             host["children"] = [p for p in host["children"] if p.get("mesh") in running]
             for proc in host["children"]:
+                seen = failures.get((proc["mesh"], proc["rank"]), [])
+                proc["failures"] = len(seen)
+                if seen:
+                    last = seen[-1]
+                    proc["last_failure"] = {"kind": last.kind, "cause": last.cause, "detail": last.detail,
+                                            "clock": time.strftime("%H:%M:%S", time.localtime(last.time))}
+                    if now - last.monotonic < FAILED_HOLD_S and proc["state"] in ("restarting", "starting", "failed"):
+                        proc["detail"] = {**proc.get("detail", {}), "state_now": proc["state"]}
+                        proc["state"] = "failed"
+                        for actor in proc.get("children", []):
+                            actor["state"] = "failed"
                 if proc.get("heartbeat_age_s") is not None:
                     proc["heartbeat_age_s"] = round(proc["heartbeat_age_s"], 1)
                 for actor in proc.get("children", []):
