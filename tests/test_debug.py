@@ -182,6 +182,16 @@ def test_post_mortem_p_up_l_and_q_leaves_rank_usable(kernel):
     assert "session open" not in listing
 
 
+def test_debug_prompt_attach_detach_and_come_back(kernel):
+    ok(kernel, "try:\n    workers.slice(gpus=1).fail.call_one(3).get(10)\nexcept monarch_nb.ActorError:\n    pass")
+    run = ok(kernel, "%mesh debug", ["attach 1", "p inner", "up", "detach", "list", "quit"])
+    assert run.prompts == ["monarch_nb debug> ", "[rank 1] (Pdb) ", "[rank 1] (Pdb) ", "[rank 1] (Pdb) ",
+                           "monarch_nb debug> ", "monarch_nb debug> "]
+    in_order(run.text, "failed", "post-mortem", "7", "fail()", "detached from rank 1", "session open")
+    back = ok(kernel, "%mesh debug 1", ["p local_marker", "q"])  # the open session, still on the caller's frame
+    in_order(back.text, "fail()", "6", "post-mortem session ended")
+
+
 def test_interact_runs_in_the_failed_frame(kernel):
     ok(kernel, "try:\n    workers.slice(gpus=1).fail.call_one(5).get(10)\nexcept monarch_nb.ActorError:\n    pass")
     run = ok(kernel, "%mesh debug 1", ["interact", "print(inner * 2)", "inner + 1000", "exit()", "c"])
@@ -288,7 +298,7 @@ def test_parse_ranks():
         parse_ranks("x", 4)
 
 
-def test_api_session_banner_shows_device(procs4):
+def test_api_post_mortem_session_and_errors(procs4):
     from .actors import Worker
 
     workers = procs4.spawn("w", Worker)
@@ -328,3 +338,100 @@ def test_stack_of_a_proc_whose_io_thread_is_stuck_comes_from_faulthandler(procs4
     from monarch_nb.runtime.controller import Controller
 
     wait_until(lambda: Controller.get().proc_record(procs4.name, 3).state in ("healthy", "busy"), 10.0, message="rank 3 serving again")
+
+
+class Pauser(monarch_nb.Actor):
+    @monarch_nb.endpoint
+    def wait_here(self, value: int) -> int:
+        kept = value * 3
+        breakpoint()
+        return kept
+
+    @monarch_nb.endpoint
+    def fail_on_device(self, megabytes: int) -> None:
+        import torch
+
+        from monarch_nb import device
+
+        block = torch.ones(megabytes * (1 << 20) // 4, device=device.device())  # noqa: F841 - shown by the banner
+        raise MemoryError("pretend out of memory")
+
+
+class Interruptible(monarch_nb.Actor):
+    """Has the ``__interrupt__`` hook the runtime calls for an "interrupt" message (as %%mesh cells do)."""
+
+    def __interrupt__(self, thread_ident: int) -> None:
+        import ctypes
+
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_ident), ctypes.py_object(KeyboardInterrupt))
+
+    @monarch_nb.endpoint
+    def wait_here(self) -> int:
+        breakpoint()
+        return 1
+
+
+def test_an_interrupt_ends_a_pause_like_it_ends_a_call(procs4):
+    from monarch_nb.runtime.controller import Controller
+
+    actors = procs4.spawn("interruptible", Interruptible)
+    fut = actors.slice(gpus=2).wait_here.call_one()
+    client.wait_paused(1, procs4, timeout_s=20)
+    Controller.get().channel.send(f"{procs4.name}.2", {"kind": "interrupt", "actor": "interruptible"})
+    with pytest.raises(monarch_nb.ActorError) as info:
+        fut.get(10)
+    assert info.value.exception_type == "KeyboardInterrupt"
+    failed = [t for t in client.debug_targets(procs4) if t.kind == "failed"]
+    assert [(t.rank, t.function) for t in failed] == [(2, "wait_here")]  # the debugger's frames are cut
+    assert not [t for t in client.debug_targets(procs4) if t.kind == "paused"]
+
+
+def test_a_paused_rank_is_paused_not_hung(procs4):
+    from monarch_nb.runtime.controller import Controller
+
+    controller = Controller.get()
+    pausers = procs4.spawn("pausers", Pauser)
+    since = controller.events.next_seq
+    fut = pausers.slice(gpus=1).wait_here.call_one(5)
+    client.wait_paused(1, procs4, timeout_s=20)
+    rec = controller.proc_record(procs4.name, 1)
+    time.sleep(monarch_nb.configure().hang_timeout_s * 1.5)  # longer than a hang would be allowed
+    assert rec.state == "busy" and rec.paused and rec.paused[0]["function"] == "wait_here"
+    kinds = [e.kind for e in controller.events.events(since_seq=since) if e.rank == 1]
+    assert "proc_paused" in kinds and "proc_hung" not in kinds and "proc_fenced" not in kinds
+    assert [t.rank for t in client.debug_targets(procs4) if t.kind == "paused"] == [1]
+    assert client.cast([1], "p kept") == {1: "15\n"}
+    assert client.continue_all(procs4) == {1: "(the rank continues)\n"}
+    assert fut.get(10) == 15
+    wait_until(lambda: not rec.paused, 5.0, message="rank 1 no longer paused")
+    assert "proc_continued" in [e.kind for e in controller.events.events(since_seq=since) if e.rank == 1]
+
+
+def test_banner_shows_the_ranks_device_and_memory(procs4):
+    """On a GPU host: the device's name and the memory torch holds there; on CPU: cpu and torch."""
+    import torch
+
+    pausers = procs4.spawn("gpu_users", Pauser)
+    with pytest.raises(monarch_nb.ActorError, match="pretend out of memory"):
+        pausers.slice(gpus=0).fail_on_device.call_one(64).get(60)
+    banner = client.DebugSession(0, procs4).banner
+    if torch.cuda.is_available():
+        kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        match = re.search(rf"device: {kind} .+: (\d+\.\d+) GiB allocated, (\d+\.\d+) GiB reserved", banner)
+        assert match and float(match.group(1)) >= 0.06, banner
+    else:
+        assert re.search(r"device: cpu \(torch \d", banner), banner
+    client.cast([0], "q")
+
+
+def test_device_line_for_gpus(monkeypatch):
+    """The banner's device line for CUDA and ROCm (stand-in for hosts without a GPU)."""
+    from monarch_nb import device
+    from monarch_nb.debug.agent import describe_device
+
+    for kind in ("cuda", "rocm"):
+        monkeypatch.setattr(device, "describe", lambda kind=kind: {
+            "kind": kind, "name": "Some GPU", "memory_allocated_bytes": 3 << 30,
+            "memory_reserved_bytes": 4 << 30, "torch": "2.x",
+        })
+        assert describe_device() == f"{kind} Some GPU: 3.00 GiB allocated, 4.00 GiB reserved (torch 2.x)"

@@ -95,12 +95,38 @@ def describe_frame(frame: FrameType, lineno: int | None = None) -> dict:
     }
 
 
+_DEBUGGER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _is_debugger_frame(frame: FrameType) -> bool:
+    return frame.f_code.co_filename.startswith(_DEBUGGER_DIR) or frame.f_globals.get("__name__") in ("bdb", "pdb", "cmd")
+
+
 def user_traceback(tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` without its leading runtime frames; ``tb`` itself if only runtime frames remain."""
+    """``tb`` without its leading runtime frames (``tb`` itself if only runtime frames remain),
+    and without trailing debugger frames (an interrupt raised while paused in pdb)."""
     start = tb
     while start is not None and is_runtime_frame(start.tb_frame):
         start = start.tb_next
-    return start if start is not None else tb
+    if start is None:
+        return tb
+    last_user = None
+    entry = start
+    while entry is not None:
+        if not _is_debugger_frame(entry.tb_frame):
+            last_user = entry
+        entry = entry.tb_next
+    if last_user is not None and last_user.tb_next is not None and all(
+        _is_debugger_frame(e.tb_frame) for e in _walk(last_user.tb_next)
+    ):
+        last_user.tb_next = None
+    return start
+
+
+def _walk(tb: TracebackType | None):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 class FailureStore:

@@ -17,6 +17,8 @@ Two kinds of session:
   goes on, instead of being aborted by ``BdbQuit`` as in a terminal); ``n`` / ``s`` step.
 
 ``interact`` opens a console that also reads from the session (type ``exit()`` to return).
+An interrupt that reaches the paused thread (the notebook's stop button on a ``%%mesh`` cell)
+ends the pause and raises ``KeyboardInterrupt`` in the endpoint, as it would have unpaused.
 """
 
 from __future__ import annotations
@@ -84,6 +86,24 @@ class RemotePdb(pdb.Pdb):
         finally:
             resumed = session.kind == "post-mortem" or self.quitting or self.stoplineno == -1
             session.leave(resumed)
+        if session.interrupted:  # the stop button while paused: the endpoint stops, as it would unpaused
+            session.interrupted = False
+            raise KeyboardInterrupt
+
+    def _cmdloop(self) -> None:
+        while True:
+            try:
+                self.allow_kbdint = True
+                self.cmdloop()
+                self.allow_kbdint = False
+                break
+            except KeyboardInterrupt:
+                if self.session.kind != "breakpoint":
+                    self.message("--KeyboardInterrupt--")
+                    continue
+                self.session.interrupted = True  # see interaction(): the endpoint gets it
+                self.set_continue()
+                break
 
     def print_header(self) -> None:
         """The session's banner: which rank, actor and failure this is, and the device."""
@@ -184,6 +204,7 @@ class Session:
         self.thread_ident: int | None = None
         self.paused_since = time.time()
         self.namespaces: dict = {}
+        self.interrupted = False  # an interrupt (the notebook's stop button) arrived while paused
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._out = io.StringIO()
         self._pending: dict | None = None  # the request header awaiting pdb's next prompt
@@ -204,7 +225,10 @@ class Session:
         """pdb wants a line: answer the waiting request with the output so far, then wait."""
         self._deliver("prompt")
         while True:
-            op, payload, header = self._inbox.get()
+            try:  # wake up now and then, so an interrupt raised in this thread can land
+                op, payload, header = self._inbox.get(timeout=0.25)
+            except queue.Empty:
+                continue
             if op == "attach":
                 with self._lock:
                     self._pending = header
@@ -238,7 +262,9 @@ class Session:
         """pdb returned control to the program: if ``resumed`` the session ends, else it steps."""
         if not resumed:
             return  # ``n`` / ``s`` / ``r`` / ``unt``: the answer is pdb's next stop
-        if self.kind == "breakpoint":
+        if self.interrupted:
+            self.write("(interrupted: the endpoint stops with KeyboardInterrupt)\n")
+        elif self.kind == "breakpoint":
             self.write("(the rank continues)\n")
         else:
             self.write("(post-mortem session ended)\n")
