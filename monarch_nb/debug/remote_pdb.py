@@ -63,7 +63,7 @@ class RemotePdb(pdb.Pdb):
         result = super().dispatch_return(frame, arg)
         caller = frame.f_back
         if (self.session.kind == "breakpoint" and self.session.state == "running" and not self.quitting
-                and caller is not None and is_runtime_frame(caller)):
+                and _outside_user_code(caller)):
             # Stepping left the endpoint: back in the actor runner there is nothing to step
             # through (the next stop would be inside the runtime), so the rank just continues.
             self.set_continue()
@@ -134,6 +134,15 @@ class RemotePdb(pdb.Pdb):
         _Console(self.session, namespace).interact(
             banner="*interactive* (exit() returns to pdb)", exitmsg="*back in pdb*"
         )
+
+
+def _outside_user_code(frame) -> bool:
+    """True if a frame returning to ``frame`` leaves the endpoint (for the runner, or for the event
+    loop that runs an async endpoint)."""
+    if frame is None or is_runtime_frame(frame):
+        return True
+    module = str(frame.f_globals.get("__name__", ""))
+    return module.startswith(("asyncio.", "concurrent."))
 
 
 def _plumbing(frame) -> bool:
