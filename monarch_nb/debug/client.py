@@ -10,7 +10,7 @@
     print(session.command("p x"))
     print(session.command("up"))
     session.command("q")                   # ends a post-mortem session; the rank keeps serving
-    client.cast([0, 1], "p x")             # {0: "5", 1: "5"}
+    client.cast([0, 1], "p x")             # {0: "5\\n", 1: "6\\n"}
     client.continue_all()                  # resume every paused rank
     client.stacks()                        # {rank: text}; client.format_stacks() groups equal ones
 

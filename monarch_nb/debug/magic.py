@@ -254,6 +254,10 @@ def _pdb_loop(session: client.DebugSession, read: Callable[[str], str]) -> None:
         except DebugError as exc:
             _say(f"debug: {exc}")
             return
+        except KeyboardInterrupt:  # stopped waiting for a long command (``n`` over a slow call)
+            _say(f"(interrupted: detached from rank {session.rank}, which goes on with the command; "
+                 f"%mesh debug {session.rank} returns to it once it stops)")
+            return
 
 
 def _debug_loop(mesh: str, read: Callable[[str], str]) -> None:

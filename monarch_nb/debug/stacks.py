@@ -10,7 +10,9 @@ Two ways to get them, tried in this order by :func:`monarch_nb.debug.client.stac
    each proc registers :mod:`faulthandler` for SIGUSR1 at start, writing into an in-memory file
    (``memfd``, named :data:`MEMFD_NAME`). The controller, on the same host, opens that file through
    ``/proc/<pid>/fd``, sends SIGUSR1 and reads what the C-level handler wrote: the stack of every
-   thread, without needing the GIL. Thread names are not known then.
+   thread, without needing the GIL. Thread names are not known then. Like any signal, it makes
+   a blocking system call of the proc return early with EINTR (``sleep`` ends early; most C
+   libraries retry), which is why it is the fallback and not the first way.
 
 :func:`format_stack` renders a rank's stacks as text, outermost call first like a traceback, with
 the runtime's own frames cut off the top; :func:`group_identical` groups ranks whose stacks read
