@@ -426,9 +426,15 @@ def test_banner_shows_the_ranks_device_and_memory(procs4):
 
 def test_device_line_for_gpus(monkeypatch):
     """The banner's device line for CUDA and ROCm (stand-in for hosts without a GPU)."""
+    import torch
+
     from monarch_nb import device
     from monarch_nb.debug.agent import describe_device
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert describe_device().startswith(("cuda available, not used by this proc yet", "rocm available"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     for kind in ("cuda", "rocm"):
         monkeypatch.setattr(device, "describe", lambda kind=kind: {
             "kind": kind, "name": "Some GPU", "memory_allocated_bytes": 3 << 30,

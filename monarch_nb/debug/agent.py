@@ -284,9 +284,13 @@ def install_sources(sources: dict) -> None:
 
 def describe_device() -> str:
     """The rank's device in one line; torch is only asked if the proc already imported it."""
-    if "torch" not in sys.modules:
+    torch = sys.modules.get("torch")
+    if torch is None:
         return "cpu (torch is not loaded in this proc)"
     try:
+        if torch.cuda.is_available() and not torch.cuda.is_initialized():  # asking would create a context
+            kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+            return f"{kind} available, not used by this proc yet (no GPU memory in use; torch {torch.__version__})"
         from .. import device
 
         info = device.describe()
