@@ -111,7 +111,7 @@ def _controller() -> "Controller":
 
     controller = Controller.existing()
     if controller is None or not controller.meshes:
-        raise DebugError("nothing to debug: no proc mesh was started (this_host().spawn_procs(...))")
+        raise DebugError("nothing to debug: no proc mesh was started (%mesh start 4, or this_host().spawn_procs(...))")
     return controller
 
 
