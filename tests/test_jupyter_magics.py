@@ -262,3 +262,18 @@ def test_tree_magic_shows_the_widget(kernel):
     ex = kernel.ok("%mesh tree")
     assert any("application/vnd.jupyter.widget-view+json" in d for d in ex.displays())
     kernel.ok("%mesh stop")
+
+
+def test_install_kernel_command(tmp_path, capsys):
+    import json
+    import sys
+
+    from monarch_nb.cli import main
+
+    assert main(["install-kernel", "--prefix", str(tmp_path)]) == 0
+    spec = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "monarch" / "kernel.json").read_text())
+    assert spec["display_name"] == "Monarch (Python 3)"
+    assert spec["argv"][0] == sys.executable and "--ext=monarch_nb" in spec["argv"]
+    assert "installed kernelspec" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["install-kernel", "--user", "--sys-prefix"])
