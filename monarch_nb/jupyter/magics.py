@@ -460,6 +460,10 @@ class MeshMagics(Magics):
             compile(cell, "<mesh-cell>", "exec")
         except SyntaxError as exc:  # fail here: nothing runs anywhere
             raise UsageError(f"the cell does not compile: {exc.msg} (line {exc.lineno})") from None
+        queued = [r for r in sess.background if not r.done() and set(r.ranks) & set(ranks)]
+        if queued:
+            print(f"(queued behind the background cell(s) {', '.join(r.filename for r in queued)} on these ranks; "
+                  "interrupt the kernel to stop them)")
         output = CellOutput()
         run = sess.run_cell(cell, ranks, stream=args.stream, group_outputs=args.group_outputs, frame=args.frame, output=output)
         if args.out:

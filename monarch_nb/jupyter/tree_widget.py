@@ -193,13 +193,24 @@ class SupervisionTree(anywidget.AnyWidget):
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._busy: set[str] = set()
+        self._failures: dict[tuple, list] = {}  # (mesh, rank) -> failure events, oldest first
+        for event in self._controller.events.events():
+            if event.kind in _FAILURE_EVENTS:
+                self._failures.setdefault((event.mesh, event.rank), []).append(event)
         self.updates = 0
         self.on_msg(self._on_frontend_msg)
         self.observe(lambda _change: self._dirty.set(), names=["selected"])
         self._refresh()
         ref = weakref.ref(self)
         dirty = self._dirty
-        self._unsubscribe = self._controller.events.subscribe(lambda _event: dirty.set())
+        failures = self._failures
+
+        def on_event(event: Any) -> None:  # the controller's IO thread: record, flag, return
+            if event.kind in _FAILURE_EVENTS:
+                failures.setdefault((event.mesh, event.rank), []).append(event)
+            dirty.set()
+
+        self._unsubscribe = self._controller.events.subscribe(on_event)
         self._thread = threading.Thread(target=_follow, args=(ref, dirty, self._stop), name="mnb-tree-widget", daemon=True)
         self._thread.start()
 
@@ -209,15 +220,12 @@ class SupervisionTree(anywidget.AnyWidget):
 
         tree = snapshot(self._controller, self._mesh)
         running = {name for name, m in self._controller.meshes.items() if not m.stopped}
-        failures: dict[tuple, list] = {}
-        for event in self._controller.events.events():
-            if event.kind in _FAILURE_EVENTS:
-                failures.setdefault((event.mesh, event.rank), []).append(event)
+        failures = self._failures
         now = time.monotonic()
         for host in tree.get("children", []):
             host["children"] = [p for p in host["children"] if p.get("mesh") in running]
             for proc in host["children"]:
-                seen = failures.get((proc["mesh"], proc["rank"]), [])
+                seen = list(failures.get((proc["mesh"], proc["rank"]), []))
                 proc["failures"] = len(seen)
                 if seen:
                     last = seen[-1]
@@ -236,7 +244,8 @@ class SupervisionTree(anywidget.AnyWidget):
         return tree
 
     def _recent_events(self, n: int = 12) -> list[dict]:
-        events = self._controller.events.events()
+        log = self._controller.events
+        events = log.events(since_seq=max(0, log.next_seq - 500))
         if self._mesh is not None:
             events = [e for e in events if e.mesh == self._mesh]
         return [_event_dict(e) for e in events[-n:]]
