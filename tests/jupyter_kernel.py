@@ -103,10 +103,13 @@ class Kernel:
         ex.reply_time = time.monotonic()
         return ex
 
-    def drain(self, msg_id: str, timeout_s: float = 0.5) -> list:
-        """Outputs that arrived for ``msg_id`` after its idle status (a background cell's)."""
+    def drain(self, msg_id: str, timeout_s: float = 0.5, until=None) -> list:
+        """Outputs that arrived for ``msg_id`` after its idle status (a background cell's): read
+        for ``timeout_s``, or until ``until(outputs)`` holds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if until is not None and until(self.pending.get(msg_id, [])):
+                break
             try:
                 msg = self.kc.get_iopub_msg(timeout=0.05)
             except queue.Empty:

@@ -175,8 +175,10 @@ def test_interrupt_stops_a_background_cell_within_1s(mesh, tmp_path):
     stamps = _last_stamps(str(tmp_path))
     assert all(s < t0 + 1.0 for s in stamps), [s - t0 for s in stamps]
     # the background cell's output (its interrupt report) went to its own cell, not the later ones
-    later = mesh.drain(ex.msg_id, 0.5)
-    assert any("interrupted on rank(s) 0-3" in c.get("text", "") for t, c in later), later
+    def reported(outputs):
+        return any("interrupted on rank(s) 0-3" in c.get("text", "") for t, c in outputs)
+
+    assert reported(mesh.drain(ex.msg_id, 10, until=reported)), mesh.pending.get(ex.msg_id)
     assert sorted(mesh.ok("sorted(bg.errors)").displays()[0]["text/plain"]) == sorted("[0, 1, 2, 3]")
     mesh.ok("%mesh status")  # the kernel still answers; the mesh still serves
     mesh.ok("%%mesh\nassert m > 0")
@@ -186,9 +188,11 @@ def test_background_output_lands_in_its_own_cell(mesh):
     ex = mesh.ok("%%mesh --no-block --out slow\nimport time\ntime.sleep(0.5)\nprint('late', rank)")
     other = mesh.ok("x = 1\nprint('other cell')")
     mesh.ok("slow.wait(10)")
-    late = mesh.drain(ex.msg_id, 0.5)
-    text = "".join(c.get("text", "") for t, c in late if t == "stream")
-    assert all(f"[stdout:{r}] late {r}" in text for r in range(4)), late
+    def text_of(outputs):
+        return "".join(c.get("text", "") for t, c in outputs if t == "stream")
+
+    late = mesh.drain(ex.msg_id, 10, until=lambda outs: all(f"[stdout:{r}] late {r}" in text_of(outs) for r in range(4)))
+    assert all(f"[stdout:{r}] late {r}" in text_of(late) for r in range(4)), late
     assert "late" not in other.stream_text()
 
 
@@ -235,9 +239,10 @@ def test_fault_restart_and_logs_from_magics(mesh):
 def test_stop_then_start_again(mesh):
     assert "stopped" in mesh.ok("%mesh stop").stream_text()
     assert "no mesh is running" in mesh.ok("%mesh stop").stream_text()
-    mesh.ok("%mesh start 2")
-    ex = mesh.ok("%%mesh\nworld_size")
-    assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: 2", "Out[1]: 2"]
+    assert "torch.distributed up (gloo)" in mesh.ok("%mesh start 2 --dist", 120).stream_text()
+    ex = mesh.ok("%%mesh\nimport torch\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n(world_size, t.item())", 120)
+    assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: (2, 3.0)", "Out[1]: (2, 3.0)"]
+    assert "torch.distributed gloo" in mesh.ok("%mesh status").stream_text()
     mesh.ok("%mesh stop")
 
 
