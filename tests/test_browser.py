@@ -148,6 +148,8 @@ def test_kill_from_the_tree_in_jupyterlab(lab):
             # the dashboard marked the fault and the recovery
             expect(page.locator(".mnb-dash .mnb-tl-fault", has_text="rank 3").first).to_be_visible(timeout=10_000)
             expect(page.locator(".mnb-dash .mnb-tl-recovered", has_text="rank 3").first).to_be_visible(timeout=60_000)
+            expect(page.locator(".mnb-dash .mnb-marker-fault").first).to_be_attached()
+            page.locator(".mnb-dash").first.screenshot(path=str(ARTIFACTS / "02_dashboard.png"))
             # run the rest: a fault from a magic, then the report
             page.keyboard.press("Escape")
             cells.nth(tree_cell + 1).locator(".jp-InputPrompt, .jp-Cell-inputCollapser").first.click()
