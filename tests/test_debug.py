@@ -22,6 +22,7 @@ from .jupyter_kernel import Kernel
 
 pytestmark = pytest.mark.timeout(150)
 
+
 class Run:
     """What one cell printed, the input prompts it showed and how it ended."""
 
@@ -325,18 +326,20 @@ def test_api_post_mortem_session_and_errors(procs4):
 def test_stack_of_a_proc_whose_io_thread_is_stuck_comes_from_faulthandler(procs4):
     """A C call holding the GIL (the ``stall`` fault, on the IO thread): the channel cannot answer,
     so the stack is taken through SIGUSR1 and faulthandler."""
+    from monarch_nb.runtime.controller import Controller
+
     saved = monarch_nb.configure().fence_hung
     monarch_nb.configure(fence_hung=False)
     try:
-        procs4.inject(3, "stall", seconds=2.5)
+        rec = Controller.get().proc_record(procs4.name, 3)
+        procs4.inject(3, "stall", seconds=3.0)
+        wait_until(lambda: time.monotonic() - rec.last_heartbeat > 0.3, 5.0, message="rank 3 stalled")
         data = client.stack_data(procs4, [3], timeout_s=0.5)
         assert data[3]["source"] == "faulthandler", data
         text = format_stack(data[3])  # (the signal also ends the stall: usleep returns on EINTR)
         assert "faulthandler" in text and "in _hold_gil" in text, text
     finally:
         monarch_nb.configure(fence_hung=saved)
-    from monarch_nb.runtime.controller import Controller
-
     wait_until(lambda: Controller.get().proc_record(procs4.name, 3).state in ("healthy", "busy"), 10.0, message="rank 3 serving again")
 
 
