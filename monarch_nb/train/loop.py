@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -123,6 +124,7 @@ class TrainReport:
     params_sha256: str = ""
     step_time_ms_median: float = 0.0
     stopped_early: bool = False
+    worker_peak_rss_bytes: list = field(default_factory=list)
     ledger: dict | None = None
 
     def to_dict(self, ledger: bool = False) -> dict:
@@ -362,9 +364,13 @@ class TrainingRun:
             log.debug("training run failed", exc_info=True)
             self._error = exc
         finally:
-            self._teardown()
-            self._procs_ready.set()
-            self._done.set()
+            try:
+                self._teardown()
+            except Exception:
+                log.exception("tearing the training run down failed")
+            finally:
+                self._procs_ready.set()
+                self._done.set()
 
     def _setup(self) -> None:
         import torch.distributed as dist
@@ -375,8 +381,15 @@ class TrainingRun:
 
         o = self.options
         t0 = time.monotonic()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=_td(o.collective_timeout_s))
+        # The rendezvous store lives here, never in a worker. TCPStore itself listens on every
+        # interface, so it is handed a socket already bound to 127.0.0.1.
+        self._store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._store_sock.bind(("127.0.0.1", 0))
+        self._store_sock.listen(128)
+        self._store = dist.TCPStore("127.0.0.1", self._store_sock.getsockname()[1], is_master=True,
+                                    wait_for_workers=False, timeout=_td(o.collective_timeout_s),
+                                    master_listen_fd=self._store_sock.fileno())
+        self._store_sock.detach()  # the store owns (and closes) the listening socket now
         self._procs = this_host().spawn_procs(per_host={"gpus": o.procs})
         self._procs_ready.set()
         self._unsubscribe = Controller.get().events.subscribe(self._on_event)
@@ -393,6 +406,7 @@ class TrainingRun:
                 if attempt == 2:
                     raise
                 log.warning("starting trainers failed on rank %s (%s); restarting it", exc.rank, exc)
+                self._wait_until_dead(exc.rank)
                 self._procs.restart(exc.rank, timeout_s=o.restart_timeout_s)
         self._one = {r: self._trainers.slice(gpus=r) for r in range(o.procs)}
         self._backend = o.backend or _default_backend()
@@ -571,12 +585,23 @@ class TrainingRun:
                 rec.restarted = True
         threading.Thread(target=self._restart, args=(rank,), name=f"monarch_nb-restart-{rank}", daemon=True).start()
 
+    def _wait_until_dead(self, rank: int, timeout_s: float = 5.0) -> None:
+        """A hung rank is being fenced by the controller: let its exit be seen before restarting it,
+        so the fence's exit and the restart do not race."""
+        from ..runtime.controller import Controller
+
+        rec = Controller.get().proc_record(self._procs.name, rank)
+        deadline = time.monotonic() + timeout_s
+        while rec.state == "hung" and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def _restart(self, rank: int) -> None:
         o = self.options
         for attempt in range(3):
             if self._stop.is_set() and self._done.is_set():
                 return
             try:
+                self._wait_until_dead(rank)
                 self._procs.restart(rank, timeout_s=o.restart_timeout_s)
                 self._ready.put(rank)
                 return
@@ -715,6 +740,7 @@ class TrainingRun:
         digests = {v["params_sha256"] for v in sums.values()}
         applied = {v["applied_steps"] for v in sums.values()}
         ev = self._one[min(self._live)].evaluate.call_one(last).get(timeout)
+        mem = self._gather({r: self._one[r].memory.call_one() for r in self._live}, timeout)[0]
         if o.keep_parameters:
             self.parameters = self._gather({r: self._one[r].parameters.call_one(last) for r in self._live}, timeout)[0]
         audit = self.ledger.audit(self.order, self._step)
@@ -747,6 +773,7 @@ class TrainingRun:
             params_sha256=next(iter(digests)) if len(digests) == 1 else "",
             step_time_ms_median=round(self._step_ms[len(self._step_ms) // 2], 3) if self._step_ms else 0.0,
             stopped_early=self._step < o.steps,
+            worker_peak_rss_bytes=[mem[r]["peak_rss_bytes"] for r in sorted(mem)],
             ledger=self.ledger.to_dict(),
         )
         if o.report_json:
@@ -764,9 +791,7 @@ class TrainingRun:
                 self._procs.stop()
             except Exception:
                 log.exception("stopping the training procs failed")
-        store = getattr(self, "_store", None)
         self._store = None
-        del store
 
 
 def _td(seconds: float):

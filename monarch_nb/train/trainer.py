@@ -29,6 +29,7 @@ import os
 import pickle
 import random
 import signal
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -103,6 +104,8 @@ class Trainer(Actor):
         self.rank = int(os.environ.get("RANK", "0"))
         self.backend = backend or device_mod.backend()
         self.device = device_mod.device() if self.backend == "nccl" else torch.device("cpu")
+        if self.backend == "gloo" and sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # collectives stay on 127.0.0.1
         self.workload = workload
         workload.setup()
         self.order = SampleOrder(workload.num_train, global_batch, seed)
