@@ -233,7 +233,7 @@ def test_restart_in_place_respawns_actors(m):
     wait_event(ctrl, procs, "proc_exited", 1, since)
     procs.restart(1)
     rec = ctrl.proc_record(procs.name, 1)
-    assert rec.pid != old_pid and rec.restarts == restarts + 1 and rec.state == "healthy"
+    assert rec.pid != old_pid and rec.restarts == restarts + 1 and rec.state in ("healthy", "busy")
     assert wait_event(ctrl, procs, "proc_restarted", 1, since).cause == "restart"
     assert one.incr.call_one(1).get(timeout=DEADLINE_S) == 6  # constructed again with Counter(5)
     info = one.whoami.call_one().get(timeout=DEADLINE_S)
@@ -396,7 +396,8 @@ def test_bad_injections_change_nothing(m):
         procs.inject(1, "slow", ms=-5)
     with pytest.raises(ValueError, match="takes seconds; got \\['ms'\\]"):
         procs.inject(1, "partition", ms=5)
-    assert ctrl.events.events(since_seq=since) == []
+    changed = ("fault_injected", "proc_exited", "proc_hung", "proc_fenced", "proc_restarting")
+    assert [e for e in ctrl.events.events(since_seq=since) if e.kind in changed] == []
     assert [ctrl.proc_record(procs.name, r).pid for r in range(4)] == pids and all(map(pid_alive, pids))
     procs.inject(2, "kill")
     wait_event(ctrl, procs, "proc_exited", 2, since)

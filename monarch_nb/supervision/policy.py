@@ -13,9 +13,10 @@ procs fails (it exited, was killed, or was reported hung), the controller
    which may block: it runs off the IO thread);
 3. otherwise applies the mesh's policy:
 
-   - ``"escalate"`` (default): an ``escalated`` event and a warning in the log. The controller is a
+   - ``"escalate"`` (default): an ``escalated`` event (and an INFO log line). The controller is a
      notebook kernel, so escalation never exits the process nor interrupts the main thread: it
-     surfaces as ``SupervisionError`` in the calls to the failed rank, the event, and the log;
+     surfaces as ``SupervisionError`` in the calls to the failed rank and as the event, which the
+     tree widget and subscribers see;
    - ``"restart"``: wait ``backoff_s * 2**k`` seconds (k = automatic restarts of this rank so far,
      capped at ``backoff_max_s``) and restart the proc in place (same rank and coordinates, new
      pid, actors respawned); after ``max_restarts`` automatic restarts of a rank, escalate;
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 #: policy name -> meaning
 POLICIES = {
-    "escalate": "the failure surfaces as SupervisionError in calls to the rank, an 'escalated' event and a log warning",
+    "escalate": "the failure surfaces as SupervisionError in calls to the rank and as an 'escalated' event",
     "restart": "restart the proc in place after a backoff, up to max_restarts times per rank, then escalate",
     "isolate": "continue without the failed rank (it stays failed until restarted by hand)",
 }
@@ -223,7 +224,7 @@ class Supervisor:
         self._escalate(rec, failure, why)
 
     def _escalate(self, rec: "ProcRecord", failure: Failure, why: str) -> None:
-        log.warning("unhandled failure of rank %d of %s (%s): %s; %s", rec.rank, rec.mesh, failure.cause, failure.detail, why)
+        log.info("unhandled failure of rank %d of %s (%s): %s; %s", rec.rank, rec.mesh, failure.cause, failure.detail, why)
         self.controller._event("escalated", rec, detail=f"{failure.detail} ({why})", cause=failure.cause)
 
 

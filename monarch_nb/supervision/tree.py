@@ -21,8 +21,8 @@ endpoint             the endpoint an actor is running now (None if idle); on a p
                      running one of its actors
 endpoint_running_s   for how long that endpoint has run, seconds (None if idle)
 uptime_s             seconds since the node started serving (None if it is not running)
-detail               extra facts: a proc's exit ({"returncode", "signal"}), "fenced", an actor's
-                     class
+detail               extra facts: a proc's exit ({"returncode", "signal"}), "fenced", "paused" (at
+                     breakpoint(), by the debugger), an actor's class
 children             the nodes below
 ===================  ===========================================================================
 """
@@ -106,6 +106,8 @@ def _proc_node(rec: Any, spawns: list, now: float) -> dict:
         detail["exit"] = dict(rec.exit_info)
     if rec.fenced:
         detail["fenced"] = True
+    if getattr(rec, "paused", None):  # stopped at breakpoint() by a user: not hung
+        detail["paused"] = list(rec.paused)
     proc = _node(
         "proc", rec.identity, rec.state, rec.pid, mesh=rec.mesh, rank=rec.rank, coords=dict(rec.coords),
         restarts=rec.restarts, heartbeat_age_s=age,
