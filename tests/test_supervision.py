@@ -307,6 +307,22 @@ def test_supervise_escalated_raises_supervision_error(m):
     assert workers.slice(gpus=1).echo.call_one(1).get(timeout=DEADLINE_S) == 1
 
 
+def test_a_supervisor_that_raises_escalates(m):
+    procs, _, _, ctrl = m
+    seen = []
+
+    def broken(failure: Failure) -> bool:  # a plain callable works as an owner too
+        seen.append(failure.cause)
+        raise RuntimeError("handler bug")
+
+    procs.supervise(owner=broken)
+    since = ctrl.events.next_seq
+    procs.inject(1, "segfault")
+    event = wait_event(ctrl, procs, "escalated", 1, since)
+    assert event.cause == "SIGSEGV" and "__supervise__ raised RuntimeError: handler bug" in event.detail
+    assert seen == ["SIGSEGV"]
+
+
 def test_restart_policy_with_max_restarts(m):
     procs, _, counters, ctrl = m
     policy = procs.supervise("restart", max_restarts=1, backoff_s=0.05)
