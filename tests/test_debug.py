@@ -207,6 +207,13 @@ def test_frame_cell_runs_in_the_failed_frame(kernel):
     assert "62" in ok(kernel, "%%mesh --ranks 1 --frame\nprint(extra)").text  # the namespace persists
 
 
+def test_a_failed_mesh_cell_can_be_debugged_post_mortem(kernel):
+    failed = run_with_input(kernel, "%%mesh --ranks 2\ncell_local = 17\nraise RuntimeError('cell broke')")
+    assert failed.status == "error" and "cell broke" in failed.text + str(failed.error)
+    run = ok(kernel, "%mesh debug 2", ["p cell_local", "q"])
+    in_order(run.text, "rank 2", "RuntimeError: cell broke", "17", "post-mortem session ended")
+
+
 def test_breakpoint_on_two_ranks_cast_and_continue(kernel):
     ok(kernel, "pair = workers.slice(gpus=slice(0, 2))\nfut = pair.step.call(4)\nwait_paused(2)")
     run = ok(kernel, "%mesh debug", ["cast 0,1 p x", "continue"])

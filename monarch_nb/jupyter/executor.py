@@ -258,7 +258,12 @@ class CellExecutor(Actor):
                 value = eval(last_code, namespace)
             error = None
         except BaseException as exc:  # KeyboardInterrupt and SystemExit in a cell are the cell's
-            error = self._error(exc, filename, interrupted=isinstance(exc, KeyboardInterrupt) and self._interrupted)
+            interrupted = isinstance(exc, KeyboardInterrupt) and self._interrupted
+            if not interrupted:  # keep its frames for %mesh debug RANK and %%mesh --frame
+                from ..debug.agent import record_failure
+
+                record_failure(exc, "_mesh_cells", "run_cell")
+            error = self._error(exc, filename, interrupted=interrupted)
         finally:
             _interruptible.discard(me)
             with self._lock:
