@@ -500,6 +500,8 @@ class TrainingRun:
     def _attempt(self, step: int) -> bool:
         o = self.options
         live = sorted(self._live)
+        if not live:
+            self._wait_for_any_ready()
         epoch = self._epoch
         buckets = 2 if getattr(self, "_arm_step", None) == step else 1
         t0 = time.monotonic()
@@ -550,8 +552,9 @@ class TrainingRun:
                   "time_s": round(t1 - self._t_train0, 4), "epoch": epoch, "live_ranks": list(live),
                   "step_ms": round((t1 - t0) * 1e3, 3)}
         if o.eval_every and ((step + 1) % o.eval_every == 0) and step + 1 < o.steps:
-            ev = self._one[live[0]].evaluate.call_one(step).get(o.collective_timeout_s)
-            metric.update(test_accuracy=ev["test_accuracy"], test_loss=ev["test_loss"])
+            ev = self._evaluate(step)
+            if ev is not None:
+                metric.update(test_accuracy=ev["test_accuracy"], test_loss=ev["test_loss"])
         with self._lock:
             for r in list(self._open):
                 for rec in self._open[r]:
@@ -560,6 +563,23 @@ class TrainingRun:
                         self._recovery("resumed", rec, t1)
         self.metrics.append(metric)
         self._emit(metric)
+
+    def _evaluate(self, commit_through: int) -> dict | None:
+        """Test metrics from the first live rank that answers; a rank that fails here is failed."""
+        for rank in sorted(self._live):
+            try:
+                return self._one[rank].evaluate.call_one(commit_through).get(self.options.collective_timeout_s)
+            except (SupervisionError, ActorError, TimeoutError) as exc:
+                self._fail_rank(rank, exc)
+        return None
+
+    def _checksums(self, commit_through: int) -> dict:
+        """Parameter checksums of the live ranks (ranks that fail to answer are failed)."""
+        values, errors = self._gather(
+            {r: self._one[r].checksum.call_one(commit_through) for r in self._live}, self.options.collective_timeout_s)
+        for rank, exc in errors.items():
+            self._fail_rank(rank, exc)
+        return values
 
     # -- membership -------------------------------------------------------------------------------
     def _fail_rank(self, rank: int, exc: BaseException | None = None) -> None:
@@ -687,8 +707,8 @@ class TrainingRun:
             return
         self._form_epoch()
         now = time.monotonic()
-        sums = self._gather({r: self._one[r].checksum.call_one(step - 1) for r in self._live}, o.collective_timeout_s)[0]
-        identical = len({v["params_sha256"] for v in sums.values()}) == 1 and len(sums) == len(self._live)
+        sums = self._checksums(step - 1)
+        identical = len({v["params_sha256"] for v in sums.values()}) <= 1
         with self._lock:
             for rank in joined:
                 if rank not in self._live:
@@ -736,10 +756,10 @@ class TrainingRun:
             self._form_epoch()
         last = self._committed_through
         timeout = o.collective_timeout_s
-        sums = self._gather({r: self._one[r].checksum.call_one(last) for r in self._live}, timeout)[0]
+        sums = self._checksums(last)
         digests = {v["params_sha256"] for v in sums.values()}
         applied = {v["applied_steps"] for v in sums.values()}
-        ev = self._one[min(self._live)].evaluate.call_one(last).get(timeout)
+        ev = self._evaluate(last) or {"test_accuracy": None, "test_loss": None}
         mem = self._gather({r: self._one[r].memory.call_one() for r in self._live}, timeout)[0]
         if o.keep_parameters:
             self.parameters = self._gather({r: self._one[r].parameters.call_one(last) for r in self._live}, timeout)[0]
