@@ -217,6 +217,21 @@ def test_failure_during_a_rejoin(reference):
     assert [f for f in report.failures if f["rank"] == 1 and f["rejoin_latency_s"] is not None]
 
 
+def test_disk_checkpoint_restarts_the_whole_job(reference, tmp_path):
+    """Optional disk checkpoints (not used for single-rank recovery) resume a stopped job."""
+    first = start("digits", procs=PROCS, steps=12, seed=0, checkpoint_dir=str(tmp_path), checkpoint_every=6,
+                  eval_every=0)
+    assert first.report(timeout=150).steps == 12
+    assert sorted(os.listdir(tmp_path)) == ["step00000006.pt", "step00000012.pt"]
+    run = start("digits", procs=PROCS, steps=STEPS, seed=0, checkpoint_dir=str(tmp_path), resume=True, **FIT)
+    report = run.report(timeout=150)
+    assert run.metrics[0]["step"] == 12 and report.steps == STEPS - 12
+    assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)
+    ref = next(iter(reference.parameters.values()))
+    for name, tensor in next(iter(run.parameters.values())).items():
+        np.testing.assert_allclose(tensor.numpy(), ref[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 # -- other workloads --------------------------------------------------------------------------------
 def test_charlm_trains_on_a_real_text_file(tmp_path, no_leaked_processes):
     import inspect

@@ -107,8 +107,8 @@ class SampleLedger:
         """Sample ids of committed step ``step``, in rank order."""
         return [i for ids in self.entries.get(step, {}).values() for i in ids]
 
-    def audit(self, order: SampleOrder, steps: int) -> dict:
-        """Compare the ledger with what steps ``0..steps-1`` should have consumed.
+    def audit(self, order: SampleOrder, steps: int, start: int = 0) -> dict:
+        """Compare the ledger with what steps ``start..steps-1`` should have consumed.
 
         Returns:
             ``{"samples_expected", "samples_consumed", "samples_lost", "samples_repeated",
@@ -116,7 +116,7 @@ class SampleLedger:
             often than expected, counted as multisets per step.
         """
         lost = repeated = expected_total = consumed_total = missing = 0
-        for step in range(steps):
+        for step in range(start, steps):
             want = collections.Counter(int(i) for i in order.batch(step))
             got = collections.Counter(self.consumed(step))
             if step not in self.entries:
@@ -125,7 +125,7 @@ class SampleLedger:
             consumed_total += sum(got.values())
             lost += sum((want - got).values())
             repeated += sum((got - want).values())
-        extra = [s for s in self.entries if s >= steps]
+        extra = [s for s in self.entries if s >= steps or s < start]
         repeated += sum(len(self.consumed(s)) for s in extra)
         return {
             "samples_expected": expected_total,

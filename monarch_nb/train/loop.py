@@ -352,7 +352,7 @@ class TrainingRun:
             self._recovery("detected", rec, at)
 
     def _open_for(self, rank: int) -> list[FailureRecord]:
-        return [r for r in self._open.get(rank, []) if r.resumed_at is None or r.rejoined_at is None]
+        return [r for r in self._open.get(rank, []) if r.resumed_at is None or (r.restarted and r.rejoined_at is None)]
 
     # -- main -------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -418,7 +418,7 @@ class TrainingRun:
                 steps = [self._one[r].load_checkpoint.call_one(path) for r in self._live]
                 start_step = min(f.get(o.collective_timeout_s) for f in steps)
                 self._committed_through = start_step - 1
-        self._step = start_step
+        self._step = self._start_step = start_step
         self._form_epoch()
         self._setup_s = time.monotonic() - t0
         self._chaos = None
@@ -763,7 +763,7 @@ class TrainingRun:
         mem = self._gather({r: self._one[r].memory.call_one() for r in self._live}, timeout)[0]
         if o.keep_parameters:
             self.parameters = self._gather({r: self._one[r].parameters.call_one(last) for r in self._live}, timeout)[0]
-        audit = self.ledger.audit(self.order, self._step)
+        audit = self.ledger.audit(self.order, self._step, start=self._start_step)
         wall = max(1e-9, t_end - self._t_train0)
         committed_samples = sum(len(self.ledger.consumed(s)) for s in self.ledger.entries)
         expected_applied = self._step
