@@ -184,6 +184,19 @@ def test_interrupt_stops_a_background_cell_within_1s(mesh, tmp_path):
     mesh.ok("%%mesh\nassert m > 0")
 
 
+def test_interrupt_of_a_rank_stuck_in_c_returns_and_says_how_to_end_it(mesh, tmp_path):
+    started = tmp_path / "started"
+    msg_id = mesh.send(f"%%mesh --ranks 1\nimport threading\nopen({str(started)!r}, 'w').close()\nthreading.Event().wait()")
+    wait_until(started.exists, 20, message="rank 1 to block in a C-level wait")
+    t0 = time.time()
+    mesh.km.interrupt_kernel()
+    ex = mesh.collect(msg_id, 20)
+    assert ex.status == "error" and time.time() - t0 < 10
+    assert "rank(s) 1 did not stop" in ex.stream_text() + str(ex.error) and "%mesh restart" in ex.stream_text() + str(ex.error)
+    assert "restarted" in mesh.ok("%mesh restart 1").stream_text()
+    mesh.ok("%%mesh\nassert rank in (0, 1, 2, 3)")  # the kernel and the mesh answer again
+
+
 def test_background_output_lands_in_its_own_cell(mesh):
     ex = mesh.ok("%%mesh --no-block --out slow\nimport time\ntime.sleep(0.5)\nprint('late', rank)")
     other = mesh.ok("x = 1\nprint('other cell')")

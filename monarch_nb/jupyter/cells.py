@@ -401,14 +401,15 @@ class CellRun:
             self.session.interrupt_rank(rank)
         return running
 
-    def pump(self) -> None:
-        """Show output as it arrives until the run is done, then the results (calling thread)."""
+    def pump(self, deadline: float | None = None) -> None:
+        """Show output as it arrives until the run is done (calling thread), or until ``deadline``
+        (a ``time.monotonic()`` value) passes."""
         self.output.bind_thread()
         while True:
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
-                if self._done.is_set():
+                if self._done.is_set() or (deadline is not None and time.monotonic() > deadline):
                     break
                 self.check_stragglers()
                 continue

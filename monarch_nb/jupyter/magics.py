@@ -496,7 +496,7 @@ class MeshMagics(Magics):
             run.interrupt()
             t0 = time.monotonic()
             try:
-                run.pump()  # what the ranks print while they stop
+                run.pump(deadline=t0 + INTERRUPT_WAIT_S)  # what the ranks print while they stop
             except KeyboardInterrupt:
                 pass
             if not run.done():
