@@ -410,6 +410,11 @@ def test_a_paused_rank_is_paused_not_hung(procs4):
     kinds = [e.kind for e in controller.events.events(since_seq=since) if e.rank == 1]
     assert "proc_paused" in kinds and "proc_hung" not in kinds and "proc_fenced" not in kinds
     assert [t.rank for t in client.debug_targets(procs4) if t.kind == "paused"] == [1]
+    from monarch_nb.supervision.tree import find
+
+    (node,) = find(procs4.tree(), "proc", rank=1)
+    assert node["state"] == "paused" and [a["state"] for a in node["children"]] == ["paused"]
+    assert find(procs4.tree(), "proc", rank=0)[0]["state"] == "healthy"
     assert client.cast([1], "p kept") == {1: "15\n"}
     assert client.continue_all(procs4) == {1: "(the rank continues)\n"}
     assert fut.get(10) == 15

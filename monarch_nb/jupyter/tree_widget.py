@@ -37,7 +37,7 @@ FAILED_HOLD_S = 1.5
 _FAILURE_EVENTS = ("proc_exited", "proc_hung")
 
 _ESM = r"""
-const COLORS = {healthy: "#2e7d32", busy: "#1565c0", starting: "#9e9e9e", hung: "#ef6c00",
+const COLORS = {healthy: "#2e7d32", busy: "#1565c0", paused: "#00838f", starting: "#9e9e9e", hung: "#ef6c00",
   failed: "#c62828", restarting: "#6a1b9a", stopping: "#757575", stopped: "#757575"};
 const FAULTS = ["kill", "hang", "nan", "slow", "partition", "raise"];
 
@@ -93,7 +93,7 @@ function render({ model, el: host }) {
       if (node.kind === "proc") {
         const key = `${node.mesh}.${node.rank}`;
         const pending = busy.includes(key);
-        const alive = node.state === "healthy" || node.state === "busy";
+        const alive = node.state === "healthy" || node.state === "busy" || node.state === "paused";
         for (const kind of FAULTS) {
           const b = el("button", {class: "mnb-btn mnb-fault", "data-kind": kind, title: `inject ${kind} into rank ${node.rank}`,
             onclick: () => model.send({action: "fault", kind, mesh: node.mesh, rank: node.rank})}, kind);

@@ -10,7 +10,8 @@ key                  meaning
 kind                 "controller", "host", "proc" or "actor"
 name                 "controller", the host agent's name, the proc's identity ("pm0.3"), the actor
                      mesh's name
-state                starting, healthy, busy, hung, failed, restarting, stopping, stopped
+state                starting, healthy, busy, paused (a user holds it at breakpoint(); never fenced),
+                     hung, failed, restarting, stopping, stopped
 pid                  OS pid (0 if unknown)
 mesh                 the proc mesh's name (procs and actors), else None
 rank                 flat rank in the proc mesh (procs and their actors), else None
@@ -108,8 +109,10 @@ def _proc_node(rec: Any, spawns: list, now: float) -> dict:
         detail["fenced"] = True
     if getattr(rec, "paused", None):  # stopped at breakpoint() by a user: not hung
         detail["paused"] = list(rec.paused)
+    paused_actors = {p.get("actor") for p in getattr(rec, "paused", None) or []}
+    proc_state = "paused" if paused_actors and rec.state in ("healthy", "busy") else rec.state
     proc = _node(
-        "proc", rec.identity, rec.state, rec.pid, mesh=rec.mesh, rank=rec.rank, coords=dict(rec.coords),
+        "proc", rec.identity, proc_state, rec.pid, mesh=rec.mesh, rank=rec.rank, coords=dict(rec.coords),
         restarts=rec.restarts, heartbeat_age_s=age,
         uptime_s=round(now - started, 3) if alive and started and rec.state != "restarting" else None, detail=detail,
     )
@@ -120,7 +123,7 @@ def _proc_node(rec: Any, spawns: list, now: float) -> dict:
             continue
         current = busy.get(spawn.name)
         if rec.state in ("healthy", "busy"):
-            state = "busy" if current else "healthy"
+            state = "paused" if spawn.name in paused_actors else ("busy" if current else "healthy")
         else:
             state = rec.state
         endpoint, running = (current[0], round(current[1] + since_hb, 3)) if current else (None, None)
