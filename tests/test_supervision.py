@@ -243,6 +243,19 @@ def test_restart_in_place_respawns_actors(m):
     assert counters.get_value.call().get(timeout=DEADLINE_S).values()[1] == 6
 
 
+def test_restarting_a_healthy_proc_is_not_a_failure(m):
+    procs, _, counters, ctrl = m
+    since = ctrl.events.next_seq
+    old_pid = ctrl.proc_record(procs.name, 2).pid
+    procs.restart(2)
+    events = [(e.kind, e.cause) for e in ctrl.events.events(since_seq=since) if e.rank == 2 and e.mesh == procs.name]
+    assert ("proc_stopped", "restart") in events and ("proc_restarted", "restart") in events
+    assert not [k for k, _ in events if k in ("proc_exited", "escalated")], events
+    rec = ctrl.proc_record(procs.name, 2)
+    assert rec.pid != old_pid and rec.state in ("healthy", "busy")
+    assert counters.slice(gpus=2).get_value.call_one().get(timeout=DEADLINE_S) == 5
+
+
 def test_hung_proc_comes_back_when_fencing_is_off(m, monkeypatch):
     procs, workers, _, ctrl = m
     monkeypatch.setattr(config, "fence_hung", False)

@@ -75,6 +75,7 @@ class ProcRecord:
     output_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     exit_info: dict | None = None
     fenced: bool = False
+    restart_kill_pid: int = 0  # the pid restart_proc killed on purpose: its exit is no failure
     paused: list = field(default_factory=list)  # breakpoint() sessions holding its actors (debugger)
     ready: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0  # monotonic time of this incarnation's hello
@@ -479,6 +480,9 @@ class Controller:
             rec.state = "stopped"
             self._event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")
             return
+        if rec.state == "restarting" and header.get("pid") == rec.restart_kill_pid:  # restart_proc killed it
+            self._event("proc_stopped", rec, detail="killed to restart in place", cause="restart")
+            return
         signame = header.get("signal")
         if rec.fenced:
             cause = "fenced"
@@ -487,11 +491,9 @@ class Controller:
         else:
             cause = f"exit {header['returncode']}"
         detail = header.get("detail") or (f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
-        was_restarting = rec.state == "restarting"
         rec.state = "failed"
         self._event("proc_exited", rec, detail=detail, cause=cause)
-        if not was_restarting:
-            self._fail_proc(rec, cause, detail, signame)
+        self._fail_proc(rec, cause, detail, signame)
 
     def _fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:
         error = SupervisionError(rec.rank, cause, detail, signame)
@@ -553,6 +555,7 @@ class Controller:
         if rec.state in ("healthy", "busy", "hung", "starting"):
             rec.fenced = rec.fenced or rec.state == "hung"
             rec.state = "restarting"
+            rec.restart_kill_pid = rec.pid
             self.signal_proc(rec.identity, "SIGKILL")
             deadline = time.monotonic() + 5.0
             while rec.exit_info is None and time.monotonic() < deadline:
@@ -563,8 +566,13 @@ class Controller:
         rec.ready.clear()
         self._event("proc_restarting", rec, detail=f"restart {rec.restarts}", cause="restart")
         self.channel.send(rec.host, {"kind": "spawn_procs"}, json.dumps([rec.spec]).encode())
-        if not rec.ready.wait(timeout_s):
-            raise TimeoutError(f"proc {identity} did not come back within {timeout_s} s")
+        deadline = time.monotonic() + timeout_s
+        while not rec.ready.wait(0.05):
+            if rec.state == "failed":  # the new incarnation died before it served
+                tail = "\n".join(list(rec.output_tail)[-20:]) or "(no output)"
+                raise RuntimeError(f"proc {identity} died while restarting ({rec.exit_info}); its output:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proc {identity} did not come back within {timeout_s} s")
         if rec.state not in ("healthy", "busy"):  # busy: a heartbeat already saw an endpoint running
             raise RuntimeError(f"proc {identity} restarted but is {rec.state}: {self.events.events()[-1].detail}")
 
