@@ -77,6 +77,16 @@ class Worker(Actor):
     def pid(self) -> int:
         return os.getpid()
 
+    @endpoint
+    def add_sys_path(self, path: str) -> None:
+        sys.path.insert(0, path)
+
+    @endpoint
+    def import_module(self, name: str) -> str:
+        import importlib
+
+        return importlib.import_module(name).__name__
+
 
 class Caller(Actor):
     """Calls another actor mesh from inside an endpoint, blocking on .get()."""

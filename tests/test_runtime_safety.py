@@ -15,7 +15,7 @@ import zmq
 from monarch_nb.runtime.controller import Controller
 from monarch_nb.transport.wire import Signer, encode
 
-from .actors import Counter
+from .actors import Counter, Worker
 from .conftest import pid_alive, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,3 +191,26 @@ def test_tcp_transport_binds_loopback_only(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "ADDRESS tcp://127.0.0.1:" in result.stdout and "EQUAL True" in result.stdout
+
+
+def test_a_heavy_import_that_holds_the_gil_is_not_a_hang(procs4, tmp_path):
+    """``import torch`` on a busy machine can hold the GIL past hang_timeout_s; that is no hang."""
+    from monarch_nb import configure
+
+    hang_timeout_s = configure().hang_timeout_s
+    package = tmp_path / "tensorflow"  # a name on the heavy list; a stand-in that stalls like libtorch's load
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import ctypes\n"
+        f"ctypes.PyDLL(None).usleep(ctypes.c_uint(int({hang_timeout_s * 2.5} * 1e6)))  # C holding the GIL\n"
+        "LOADED = True\n"
+    )
+    controller = Controller.get()
+    since = controller.events.next_seq
+    workers = procs4.spawn("w", Worker)
+    rank2 = workers.slice(gpus=2)
+    rank2.add_sys_path.call_one(str(tmp_path)).get(timeout=10)
+    assert rank2.import_module.call_one("tensorflow").get(timeout=30) == "tensorflow"
+    kinds = [e.kind for e in controller.events.events(since_seq=since) if e.mesh == procs4.name]
+    assert "proc_hung" not in kinds and "proc_fenced" not in kinds, kinds
+    assert rank2.echo.call_one("still serving").get(timeout=10) == "still serving"

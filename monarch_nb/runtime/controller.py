@@ -75,6 +75,7 @@ class ProcRecord:
     output_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     exit_info: dict | None = None
     fenced: bool = False
+    loading: list = field(default_factory=list)  # heavy imports in progress (GIL held): see import_grace
     restart_kill_pid: int = 0  # the pid restart_proc killed on purpose: its exit is no failure
     paused: list = field(default_factory=list)  # breakpoint() sessions holding its actors (debugger)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -432,6 +433,7 @@ class Controller:
             return
         rec.last_heartbeat = time.monotonic()
         rec.busy = header.get("busy", {})
+        rec.loading = header.get("loading", [])
         paused = header.get("paused", [])
         if bool(paused) != bool(rec.paused):  # a user is debugging it: paused, not hung
             where = ", ".join(f"{p.get('actor')}.{p.get('function')}:{p.get('line')}" for p in paused)
@@ -507,7 +509,8 @@ class Controller:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for rec in list(self.procs.values()):
-            if rec.state in ("healthy", "busy") and now - rec.last_heartbeat > config.hang_timeout_s:
+            allowed_s = max(config.hang_timeout_s, config.import_grace_s) if rec.loading else config.hang_timeout_s
+            if rec.state in ("healthy", "busy") and now - rec.last_heartbeat > allowed_s:
                 rec.state = "hung"
                 silent = now - rec.last_heartbeat
                 self._event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")

@@ -33,6 +33,7 @@ from ..errors import UnknownEndpointError, capture_traceback
 from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import Signer
+from . import import_grace
 from . import messenger as messenger_mod
 from .messenger import Messenger
 
@@ -278,6 +279,9 @@ class Proc:
         paused = self.debug.paused()  # breakpoint sessions: paused, not hung
         if paused:
             hb["paused"] = paused
+        loading = import_grace.loading()  # a heavy import may hold the GIL for seconds: not a hang
+        if loading:
+            hb["loading"] = loading
         self.channel.send("ctrl", hb)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -331,7 +335,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("monarch_nb").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are delivered per actor thread, not by SIGINT
-    Proc(identity).main()
+    proc = Proc(identity)
+    import_grace.install(proc._heartbeat)
+    proc.main()
 
 
 if __name__ == "__main__":
