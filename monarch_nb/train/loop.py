@@ -676,8 +676,11 @@ class TrainingRun:
                 rank = self._ready.get_nowait()
             except queue.Empty:
                 break
-            if rank in self._live or not self._live:
+            if rank in self._live:
                 continue
+            if not self._live:
+                self._ready.put(rank)
+                break
             donor = min(self._live)
             t0 = time.monotonic()
             try:
@@ -686,7 +689,7 @@ class TrainingRun:
                 culprit = getattr(exc, "rank", None)
                 with self._lock:
                     self._restarting.discard(rank)
-                if culprit == donor and isinstance(exc, SupervisionError):
+                if culprit == donor and isinstance(exc, (SupervisionError, ActorError)):
                     self._fail_rank(donor, exc)
                     self._ready.put(rank)  # heal it from another donor at the next boundary
                     with self._lock:
