@@ -17,8 +17,9 @@ Same workload, model, data, sample order, global batch and procs on both sides:
    monarch_nb at least the survivors' stall: kill to next commit, plus the heal's pause).
 3. chaos (``--chaos``): faults of mixed kinds with a mean time between them of 20 s, at 4 procs.
 4. memory: peak RSS per worker (monarch_nb trainer vs DDP worker), and the extra peak RSS of a
-   healthy donor while it streams its state to a restarted rank (measured on a ~40 MB model +
-   optimizer state, peak reset with /proc/PID/clear_refs before the heal).
+   healthy donor while it streams its state to a restarted rank (measured on a 6.3 M-parameter
+   MLP with Adam: about 75 MB of model + optimizer state; the donor's peak RSS is reset with
+   /proc/PID/clear_refs just before the heal).
 
 torchrun's own rendezvous store listens on every interface; the DDP jobs therefore run in a
 private network namespace (``unshare -n``) with only loopback, when that is available.
@@ -97,7 +98,7 @@ def run_monarch(args, steps: int, faults=(), **extra) -> dict:
 
 
 def heal_memory(args) -> dict:
-    """Peak extra RSS of a donor streaming ~40 MB of state to a joiner (one heal, in isolation)."""
+    """Peak extra RSS of a donor streaming ~75 MB of state to a joiner (one heal, in isolation)."""
     import torch.distributed as dist
 
     from monarch_nb import this_host
@@ -124,8 +125,8 @@ def heal_memory(args) -> dict:
         donor, joiner = trainers.slice(gpus=0), trainers.slice(gpus=1)
         donor.init_epoch.call_one(1, [0]).get(60)
         donor.step.call_one(0, 1, [0]).get(60)
-        state_bytes = donor.memory.call_one().get()["state_bytes"]
         donor.checksum.call_one(0).get(60)  # commits step 0: Adam state exists now
+        state_bytes = donor.memory.call_one().get()["state_bytes"]
         pid = Controller.get().proc_record(procs.name, 0).pid
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
