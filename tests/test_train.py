@@ -187,6 +187,12 @@ def test_kill_inside_the_collective(reference):
     assert [a for a in run.ledger.attempts if a["step"] == 8 and "failed ranks [1]" in a["outcome"]]
 
 
+def test_nan_gradient_is_caught_and_the_step_redone(reference):
+    run = start("digits", procs=PROCS, steps=STEPS, seed=0, faults=["nan@8:rank=2"], **FIT)
+    _check_matches_reference(run, reference, expect_rejoined=[])
+    assert any("nonfinite gradient from ranks [2]" in a["outcome"] for a in run.ledger.attempts if a["step"] == 8)
+
+
 def test_two_failures_at_once(reference):
     run = start("digits", procs=4, steps=STEPS, seed=0, faults=["kill@8:rank=1", "exit@8:rank=3,code=3"], **FIT)
     report = _check_matches_reference(run, reference, expect_rejoined=[1, 3])

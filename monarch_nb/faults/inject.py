@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..actor.mesh import ProcMesh
 
-__all__ = ["FAULT_KINDS", "inject", "validate"]
+__all__ = ["FAULT_KINDS", "inject", "validate", "take_nan"]
 
 #: kind -> (parameter name -> default), the parameters each kind accepts.
 FAULT_KINDS: dict[str, dict[str, Any]] = {
@@ -82,3 +82,15 @@ def inject(procs: "ProcMesh", rank: int, kind: str, **params: Any) -> None:
     params = validate(kind, params)
     controller = Controller.get()
     controller.inject_fault(procs.name, rank, kind, params, signal=_SIGNAL_KINDS.get(kind))
+
+
+def take_nan() -> bool:
+    """In worker code: True once per ``nan`` fault injected into this proc (then it is used up).
+
+    Training code asks this before its all-reduce and, if True, poisons its local gradient, so
+    the fault acts where a real numerical blow-up would. Outside a worker it returns False.
+    """
+    from ..runtime import proc
+
+    worker = proc.current()
+    return worker.faults.take_nan() if worker is not None else False

@@ -328,6 +328,14 @@ def _error_info(exc: BaseException, message: str | None = None) -> dict:
     return info
 
 
+_current: "Proc | None" = None
+
+
+def current() -> "Proc | None":
+    """The running worker proc, or None outside a worker (on the controller)."""
+    return _current
+
+
 def main() -> None:
     identity = sys.argv[1]
     die_with_parent(int(os.environ["MONARCH_NB_AGENT_PID"]))
@@ -335,10 +343,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("monarch_nb").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are delivered per actor thread, not by SIGINT
-    proc = Proc(identity)
+    global _current
+    proc = _current = Proc(identity)
     import_grace.install(proc._heartbeat)
     proc.main()
 
 
 if __name__ == "__main__":
+    # run as `python -m`, this module is __main__; alias it so `import monarch_nb.runtime.proc`
+    # elsewhere in the worker (faults.take_nan, current()) finds this very module, not a second copy
+    sys.modules.setdefault("monarch_nb.runtime.proc", sys.modules[__name__])
     main()

@@ -35,10 +35,11 @@ from datetime import timedelta
 from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
+from ..faults.inject import take_nan
 from .data import SampleOrder
 from .workloads import Workload
 
-__all__ = ["Trainer", "CollectiveError", "EpochAborted", "take_injected_nan"]
+__all__ = ["Trainer", "CollectiveError", "EpochAborted"]
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +50,6 @@ class CollectiveError(RuntimeError):
 
 class EpochAborted(RuntimeError):
     """The controller abandoned the epoch this trainer was joining (a peer failed meanwhile)."""
-
-
-def take_injected_nan() -> bool:
-    """True once per ``nan`` fault injected into this proc (see :mod:`monarch_nb.faults.inject`)."""
-    try:
-        from ..faults import inject as faults_inject
-
-        take = getattr(faults_inject, "take_nan", None)
-        if take is not None:
-            return bool(take())
-        from ..runtime import messenger
-
-        proc = getattr(messenger.current().channel._on_message, "__self__", None)
-        faults = getattr(proc, "faults", None)
-        return bool(faults.take_nan()) if faults is not None else False
-    except Exception:  # not in a worker proc
-        return False
 
 
 class Trainer(Actor):
@@ -240,7 +224,7 @@ class Trainer(Actor):
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32) for p in self.params
         ]
         flat = torch.cat(grads + [stats])
-        if take_injected_nan():
+        if take_nan():
             flat[0] = float("nan")
         local_nonfinite = not bool(torch.isfinite(flat).all())
         t1 = time.monotonic()
