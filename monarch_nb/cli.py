@@ -11,14 +11,9 @@ import argparse
 import sys
 import time
 
+from .argtypes import positive_int
+
 __all__ = ["main", "build_parser"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     demo = sub.add_parser("demo", help="run a short tour of the actor mesh on local worker processes")
-    demo.add_argument("--procs", type=_positive_int, default=4, help="number of worker processes (default 4)")
+    demo.add_argument("--procs", type=positive_int, default=4, help="number of worker processes (default 4)")
     demo.set_defaults(func=_demo)
     kernel = sub.add_parser("install-kernel", help='install the Jupyter kernelspec "Monarch (Python 3)" (ipykernel with monarch_nb loaded)')
     where = kernel.add_mutually_exclusive_group()

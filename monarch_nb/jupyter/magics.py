@@ -24,6 +24,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from ..argtypes import nonneg_int, positive_int
 from . import session as session_mod
 from .cells import RANK_FORMS, CellOutput, RankSpecError, format_ranks
 
@@ -50,26 +51,6 @@ class _Parser(argparse.ArgumentParser):
         raise _HelpShown()
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rank (an integer >= 0), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a rank (an integer >= 0), got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _fault_kinds() -> list[str]:
     from ..faults.inject import FAULT_KINDS
 
@@ -88,8 +69,8 @@ def build_line_parser() -> _Parser:
 
     p = sub.add_parser("start", help="start N worker procs (or one per GPU) with a cell executor on each",
                        description="Start a mesh: N local CPU procs, or one proc per GPU with --gpus N.")
-    p.add_argument("n", nargs="?", type=_positive_int, help="number of procs (default 4, or the --gpus count)")
-    p.add_argument("--gpus", type=_positive_int, metavar="N", help="one proc per GPU, N GPUs")
+    p.add_argument("n", nargs="?", type=positive_int, help="number of procs (default 4, or the --gpus count)")
+    p.add_argument("--gpus", type=positive_int, metavar="N", help="one proc per GPU, N GPUs")
     p.add_argument("--hosts", metavar="H[,H...]", help="hosts to place procs on (default: this host)")
     p.add_argument("--dist", action="store_true", help="initialise torch.distributed on every rank (gloo on CPU, nccl/RCCL on GPUs)")
     p.add_argument("--name", help="the proc mesh's name (default: pm0, pm1, ...)")
@@ -107,13 +88,13 @@ def build_line_parser() -> _Parser:
                        "Parameters: exit code=N, stall seconds=S, slow ms=M, partition seconds=S.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", metavar="KIND", help=f"one of: {kinds}")
-    p.add_argument("rank", metavar="RANK", type=_nonneg_int, help="the rank to hit")
+    p.add_argument("rank", metavar="RANK", type=nonneg_int, help="the rank to hit")
     p.add_argument("params", nargs="*", metavar="PARAM=VALUE", help="e.g. ms=200 or seconds=3")
     p.add_argument("--mesh", help="the training mesh ('train') or a proc mesh name (default: the one %%%%mesh uses)")
 
     p = sub.add_parser("restart", help="restart one rank in place (same rank, new pid, actors respawned)",
                        description="Restart one rank in place: same rank and coordinates, new pid; its actors are respawned and its %%mesh namespace starts empty.")
-    p.add_argument("rank", metavar="RANK", type=_nonneg_int)
+    p.add_argument("rank", metavar="RANK", type=nonneg_int)
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
 
     p = sub.add_parser("train", help="start fault-tolerant training in the background and show the dashboard",
@@ -121,16 +102,16 @@ def build_line_parser() -> _Parser:
                        "Faults: --fault KIND@STEP[:RANK] (or KIND@STEP:rank=R,param=V), repeatable, e.g. --fault kill@50:2 --fault nan@80",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="digits", help="training workload (default: digits)")
-    p.add_argument("--procs", type=_positive_int, default=None, help="number of training procs (default 4)")
-    p.add_argument("--steps", type=_positive_int, default=300, help="training steps (default 300)")
+    p.add_argument("--procs", type=positive_int, default=None, help="number of training procs (default 4)")
+    p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:RANK]", help="a scheduled fault")
     p.add_argument("--wait", action="store_true", help="block until training ends, then print the report")
 
     p = sub.add_parser("logs", help="the last output lines of one rank",
                        description="Print the last output lines a rank wrote (kept by the controller, also after it died).")
-    p.add_argument("rank", metavar="RANK", type=_nonneg_int)
-    p.add_argument("-n", "--lines", type=_positive_int, default=40, help="how many lines (default 40)")
+    p.add_argument("rank", metavar="RANK", type=nonneg_int)
+    p.add_argument("-n", "--lines", type=positive_int, default=40, help="how many lines (default 40)")
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
 
     for name, what in (("debug", "open a debugger on a rank"), ("stack", "show live stacks of ranks")):

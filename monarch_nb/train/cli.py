@@ -11,27 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..argtypes import positive_float, positive_int
+
 __all__ = ["add_train_parser", "run_train"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
-    return value
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
@@ -41,19 +23,19 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
         help="fault-tolerant data-parallel training on a local mesh, with injected faults and a report",
         description="Train on real data over a local mesh of worker processes; survive injected faults.",
     )
-    p.add_argument("--procs", type=_positive_int, default=4, help="worker processes / data-parallel ranks (default 4)")
-    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--procs", type=positive_int, default=4, help="worker processes / data-parallel ranks (default 4)")
+    p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--workload", choices=("digits", "charlm"), default="digits",
                    help="digits: MLP on sklearn's handwritten digits (default); charlm: byte-level transformer LM on --text")
     p.add_argument("--text", metavar="PATH", help="text file for charlm (default: the source of Python's inspect module)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="KIND@STEP:rank=R[,param=value], e.g. kill@120:rank=2, hang@200:rank=1, exit@50:rank=0,code=3, "
                         "slow@10:rank=1,ms=50; repeatable")
-    p.add_argument("--chaos-mtbf", type=_positive_float, metavar="SECONDS",
+    p.add_argument("--chaos-mtbf", type=positive_float, metavar="SECONDS",
                    help="also inject random faults (kill, hang, exit, segfault, raise, nan) with this mean time between them")
     p.add_argument("--seed", type=int, default=0, help="seed of model init, data order and chaos (default 0)")
-    p.add_argument("--batch-size", type=_positive_int, help="global batch: samples per step over all ranks")
-    p.add_argument("--lr", type=_positive_float, help="learning rate (default: the workload's)")
+    p.add_argument("--batch-size", type=positive_int, help="global batch: samples per step over all ranks")
+    p.add_argument("--lr", type=positive_float, help="learning rate (default: the workload's)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default: gloo on CPU, nccl/RCCL on GPUs)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between test evaluations (0: only at the end)")
     p.add_argument("--report-json", metavar="PATH", help="write the report (with the sample ledger) as JSON")

@@ -1,0 +1,32 @@
+"""argparse value types shared by the ``monarch-nb`` command and the ``%mesh`` magics."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int", "nonneg_int", "positive_float"]
+
+
+def _number(text: str, kind: type, what: str, ok) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count: procs, steps, lines)."""
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0 (a rank)."""
+    return _number(text, int, "a rank (an integer >= 0)", lambda v: v >= 0)
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (seconds, a learning rate)."""
+    return _number(text, float, "a positive number", lambda v: v > 0)
