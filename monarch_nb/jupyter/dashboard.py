@@ -30,6 +30,8 @@ from typing import Any
 import anywidget
 import traitlets
 
+from .refresh import refresh_loop
+
 __all__ = ["TrainingDashboard", "FIGURES"]
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,9 @@ class TrainingDashboard(anywidget.AnyWidget):
         self.updates = 0
         self._push()
         ref = weakref.ref(self)
-        self._thread = threading.Thread(target=_follow, args=(ref, self._dirty, self._stop), name="mnb-dashboard", daemon=True)
+        self._thread = threading.Thread(
+            target=refresh_loop, args=(ref, self._dirty, self._stop, "_push"), kwargs={"final": True}, name="mnb-dashboard", daemon=True
+        )
         self._thread.start()
 
     # -- feeding ----------------------------------------------------------------------------------
@@ -370,31 +374,3 @@ def _downsample(points: list[dict], limit: int) -> list[dict]:
     picked = [points[int(i * stride)] for i in range(limit - 1)]
     return picked + [points[-1]]
 
-
-def _follow(ref: "weakref.ref[TrainingDashboard]", dirty: threading.Event, stop: threading.Event) -> None:
-    last = 0.0
-    while not stop.is_set():
-        dirty.wait(1.0)
-        if stop.is_set():
-            widget = ref()
-            if widget is not None:
-                try:
-                    widget._push()
-                except Exception:
-                    pass
-            return
-        if not dirty.is_set():
-            continue
-        widget = ref()
-        if widget is None:
-            return
-        wait = widget._min_interval_s - (time.monotonic() - last)
-        if wait > 0:
-            stop.wait(wait)
-        dirty.clear()
-        try:
-            widget._push()
-        except Exception:
-            log.exception("dashboard refresh failed")
-        last = time.monotonic()
-        del widget

@@ -24,6 +24,8 @@ from typing import Any
 import anywidget
 import traitlets
 
+from .refresh import refresh_loop
+
 __all__ = ["SupervisionTree", "BUTTON_FAULTS"]
 
 log = logging.getLogger(__name__)
@@ -211,7 +213,9 @@ class SupervisionTree(anywidget.AnyWidget):
             dirty.set()
 
         self._unsubscribe = self._controller.events.subscribe(on_event)
-        self._thread = threading.Thread(target=_follow, args=(ref, dirty, self._stop), name="mnb-tree-widget", daemon=True)
+        self._thread = threading.Thread(
+            target=refresh_loop, args=(ref, dirty, self._stop, "_refresh"), kwargs={"periodic": True}, name="mnb-tree-widget", daemon=True
+        )
         self._thread.start()
 
     # -- state ------------------------------------------------------------------------------------
@@ -366,22 +370,3 @@ def _event_dict(event: Any) -> dict:
         "clock": time.strftime("%H:%M:%S", time.localtime(event.time)),
     }
 
-
-def _follow(ref: "weakref.ref[SupervisionTree]", dirty: threading.Event, stop: threading.Event) -> None:
-    """The widget's update loop: on an event (or each second), refresh; at most max_hz."""
-    last = 0.0
-    while not stop.is_set():
-        dirty.wait(1.0)
-        widget = ref()
-        if widget is None or stop.is_set():
-            return
-        wait = widget._min_interval_s - (time.monotonic() - last)
-        if wait > 0:
-            stop.wait(wait)
-        dirty.clear()
-        try:
-            widget._refresh()
-        except Exception:
-            log.exception("supervision tree refresh failed")
-        last = time.monotonic()
-        del widget

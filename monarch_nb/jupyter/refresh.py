@@ -1,0 +1,58 @@
+"""The widgets' update loop: a background thread that redraws at most ``max_hz`` times a second.
+
+Widgets mark themselves dirty (an event arrived, a metric, a click) from any thread; this loop
+calls their refresh method, which pushes the new state inside ``hold_sync()``. It holds only a
+weak reference, so a widget that is closed or garbage-collected ends its thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+__all__ = ["refresh_loop"]
+
+log = logging.getLogger(__name__)
+
+
+def refresh_loop(
+    ref: "weakref.ref[Any]",
+    dirty: threading.Event,
+    stop: threading.Event,
+    refresh: str,
+    *,
+    periodic: bool = False,
+    final: bool = False,
+) -> None:
+    """Call ``getattr(ref(), refresh)()`` whenever ``dirty`` is set (and each second if ``periodic``),
+    never more often than the widget's ``_min_interval_s``; once more after ``stop`` if ``final``."""
+    last = 0.0
+    while not stop.is_set():
+        dirty.wait(1.0)
+        if stop.is_set():
+            break
+        if not (dirty.is_set() or periodic):
+            continue
+        widget = ref()
+        if widget is None:
+            return
+        wait = widget._min_interval_s - (time.monotonic() - last)
+        if wait > 0:
+            stop.wait(wait)
+        dirty.clear()
+        try:
+            getattr(widget, refresh)()
+        except Exception:
+            log.exception("%s.%s failed", type(widget).__name__, refresh)
+        last = time.monotonic()
+        del widget
+    if final:
+        widget = ref()
+        if widget is not None:
+            try:
+                getattr(widget, refresh)()
+            except Exception:
+                log.exception("%s.%s failed", type(widget).__name__, refresh)
