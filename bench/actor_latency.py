@@ -25,7 +25,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 

@@ -108,7 +108,7 @@ def test_bad_calls_are_clear_errors_and_leave_mesh_usable(procs4):
     with pytest.raises(TypeError, match="unexpected keyword"):
         workers.echo.call(1, bogus=2)
     with pytest.raises(SerializationError, match="cannot pickle"):
-        workers.echo.call(lambda_holder := __import__("threading").Lock())  # noqa: F841
+        workers.echo.call(__import__("threading").Lock())
     with pytest.raises(ActorError, match="cannot be pickled"):
         workers.slice(gpus=0).unpicklable_result.call_one().get(timeout=10)
     with pytest.raises(TypeError, match="through an adverb"):

@@ -8,7 +8,6 @@ test-artifacts/notebooks/ for inspection.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import nbformat

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..actor.mesh import ActorMesh, ProcMesh, proc_identity
-from ..actor.shape import Extent, Shape
+from ..actor.shape import Extent
 from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog

@@ -669,7 +669,6 @@ class TrainingRun:
 
     def _heal_ready(self, step: int) -> None:
         """Heal every rank whose restart finished, then form an epoch that includes them."""
-        o = self.options
         joined: list[int] = []
         while True:
             try:
