@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?= --procs 4 --steps 300 --fault kill@120:rank=2 --fault hang@200:rank=1
 
+# `make bench`: every benchmark, peers (torchmonarch, ipyparallel) in bench/.peers-venv; JSON in bench/results/
 .PHONY: setup demo test bench clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup-venv.sh
@@ -14,10 +15,13 @@ demo: setup
 	$(PY) -m monarch_nb.cli train $(DEMO_ARGS)
 
 test: setup
+	bash scripts/install-browser.sh
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) bench/actor_latency.py
+	$(PY) bench/actor_latency.py --with-peers
+	$(PY) bench/detection.py --with-peers
+	$(PY) bench/training.py --chaos
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts
