@@ -58,5 +58,5 @@ class ValueMesh(Generic[R]):
     def __repr__(self) -> str:
         if not len(self.extent):
             return f"ValueMesh({self._values[0]!r})"
-        body = ", ".join(f"{dict(p)}: {v!r}" for p, v in self.items())
+        body = ", ".join(f"({', '.join(f'{k}={i}' for k, i in p.items())}): {v!r}" for p, v in self.items())
         return f"ValueMesh({dict(self.extent)}, {{{body}}})"
