@@ -8,8 +8,9 @@ In IPython: ``%load_ext monarch_nb`` registers the ``%mesh`` / ``%%mesh`` magics
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -51,17 +52,7 @@ if TYPE_CHECKING:
     from .supervision.events import Event
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'monarch_nb' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports('monarch_nb', _EXPORTS, globals())
 
 
 def load_ipython_extension(ipython: Any) -> None:

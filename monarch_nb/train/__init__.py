@@ -13,8 +13,9 @@ Names load lazily, so importing this package does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "fit": "monarch_nb.train.loop",
@@ -42,14 +43,4 @@ if TYPE_CHECKING:
     from .workloads import Workload, get_workload
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'monarch_nb.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports('monarch_nb.train', _EXPORTS, globals())
