@@ -1015,8 +1015,10 @@ def _progress(run: TrainingRun, steps: int):
         elif item.get("type") == "recovery":
             if item["event"] == "failed":
                 failures[0] += 1
-            bar.write(f"  step {item['step']}: rank {item['rank']} {item['kind']} {item['event']}"
-                      + (f" after {item['latency_s']:.3f} s" if item["event"] != "failed" else ""))
+            if item["event"] == "failed":
+                bar.write(f"  step {item['step']}: rank {item['rank']} failed ({item['kind']})")
+            else:
+                bar.write(f"  step {item['step']}: rank {item['rank']} {item['event']} {item['latency_s']:.3f} s after the {item['kind']}")
 
     run.subscribe(on_item)
     controller = Controller.get()
