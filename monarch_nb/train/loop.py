@@ -1015,10 +1015,13 @@ def _progress(run: TrainingRun, steps: int):
         elif item.get("type") == "recovery":
             if item["event"] == "failed":
                 failures[0] += 1
-            if item["event"] == "failed":
-                bar.write(f"  step {item['step']}: rank {item['rank']} failed ({item['kind']})")
-            else:
-                bar.write(f"  step {item['step']}: rank {item['rank']} {item['event']} {item['latency_s']:.3f} s after the {item['kind']}")
+            what = {
+                "failed": "rank {rank} failed ({kind})",
+                "detected": "rank {rank}'s {kind} detected after {latency_s:.3f} s",
+                "resumed": "survivors committed the next step {latency_s:.3f} s after rank {rank}'s {kind}",
+                "rejoined": "rank {rank} rejoined {latency_s:.3f} s after its {kind}",
+            }.get(item["event"], "rank {rank} {event} ({kind})")
+            bar.write(f"  step {item['step']}: " + what.format(**item))
 
     run.subscribe(on_item)
     controller = Controller.get()
