@@ -201,3 +201,20 @@ def _alive(pid: int) -> bool:
     from .conftest import pid_alive
 
     return pid_alive(pid)
+
+
+def test_futures_await_and_report_state(procs4):
+    import asyncio
+
+    counters = procs4.spawn("counters", Counter, 7)
+
+    async def main():
+        one = await counters.slice(gpus=3).incr.call_one(1)
+        every = await counters.get_value.call()
+        return one, every.values()
+
+    assert asyncio.run(main()) == (8, [7, 7, 7, 8])
+    fut = counters.slice(gpus=0).incr.call_one(2)
+    assert fut.result(timeout=10) == 9 and fut.done() and fut.exception() is None
+    failing = procs4.spawn("w", Worker).slice(gpus=0).fail.call_one("nope")
+    assert isinstance(failing.exception(timeout=10), ActorError)
