@@ -21,8 +21,8 @@ _EXPORTS = {
     "fit": "monarch_nb.train.loop",
     "start": "monarch_nb.train.loop",
     "TrainingRun": "monarch_nb.train.loop",
-    "TrainReport": "monarch_nb.train.loop",
-    "FailureRecord": "monarch_nb.train.loop",
+    "TrainReport": "monarch_nb.train.report",
+    "FailureRecord": "monarch_nb.train.report",
     "TrainingError": "monarch_nb.train.loop",
     "Workload": "monarch_nb.train.workloads",
     "get_workload": "monarch_nb.train.workloads",
@@ -38,7 +38,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .data import SampleLedger, SampleOrder
     from .faultspec import FaultSpec, parse_fault
-    from .loop import FailureRecord, TrainingError, TrainingRun, TrainReport, fit, start
+    from .loop import TrainingError, TrainingRun, fit, start
+    from .report import FailureRecord, TrainReport
     from .trainer import Trainer
     from .workloads import Workload, get_workload
 
