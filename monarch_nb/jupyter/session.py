@@ -95,18 +95,10 @@ class MeshSession:
     # -- torch.distributed -----------------------------------------------------------------------
     def init_distributed(self, backend: str | None = None) -> str:
         """Initialise ``torch.distributed`` on every rank; the TCPStore lives here, in the kernel."""
-        import socket
-
-        import torch.distributed as dist
+        from ..runtime.rendezvous import loopback_store
 
         if self.store is None:
-            # TCPStore listens on every interface by itself: hand it a socket bound to 127.0.0.1
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(128)
-            self.store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], self.world_size, is_master=True,
-                                       wait_for_workers=False, master_listen_fd=sock.fileno())
-            sock.detach()  # the store owns the listening socket now
+            self.store = loopback_store(self.world_size)
         backends = self.executors.init_distributed.call("127.0.0.1", self.store.port, backend).get(timeout=120)
         self.dist_backend = backends.values()[0] if hasattr(backends, "values") else str(backends)
         return self.dist_backend

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -246,23 +245,14 @@ class TrainingRun:
                 self._done.set()
 
     def _setup(self) -> None:
-        import torch.distributed as dist
-
         from ..actor.context import this_host
         from ..runtime.controller import Controller
+        from ..runtime.rendezvous import loopback_store
         from .trainer import Trainer
 
         o = self.options
         t0 = time.monotonic()
-        # The rendezvous store lives here, never in a worker. TCPStore itself listens on every
-        # interface, so it is handed a socket already bound to 127.0.0.1.
-        self._store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._store_sock.bind(("127.0.0.1", 0))
-        self._store_sock.listen(128)
-        self._store = dist.TCPStore("127.0.0.1", self._store_sock.getsockname()[1], is_master=True,
-                                    wait_for_workers=False, timeout=_td(o.collective_timeout_s),
-                                    master_listen_fd=self._store_sock.fileno())
-        self._store_sock.detach()  # the store owns (and closes) the listening socket now
+        self._store = loopback_store(timeout_s=o.collective_timeout_s)  # here, never in a worker
         self._procs = this_host().spawn_procs(per_host={"gpus": o.procs})
         self._procs_ready.set()
         self._unsubscribe = Controller.get().events.subscribe(self._on_event)
@@ -687,12 +677,6 @@ class TrainingRun:
             except Exception:
                 log.exception("stopping the training procs failed")
         self._store = None
-
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 def _default_backend() -> str:
