@@ -139,16 +139,20 @@ def bench_monarch_nb(trials: int) -> dict:
             out["inject"][kind] = summarize_ms(samples)
             print(f"  monarch_nb {kind}: p50 {out['inject'][kind]['p50_ms']:.1f} ms", file=sys.stderr)
 
-        samples = []  # os.kill from here, as for the peers; fresh procs (no torch imported yet)
-        for i in range(trials):
-            rank = i % 4
-            since = events.next_seq
-            pid = ctrl.proc_record(procs.name, rank).pid
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            samples.append(detect("proc_exited", rank, since).monotonic - t0)
-            procs.restart(rank, timeout_s=60)
-        out["os_kill"]["SIGKILL"] = summarize_ms(samples)
+        def os_kill_trials() -> list[float]:
+            """SIGKILL from here (as for the peers) -> proc_exited seen; restart; seconds each."""
+            samples = []
+            for i in range(trials):
+                rank = i % 4
+                since = events.next_seq
+                pid = ctrl.proc_record(procs.name, rank).pid
+                t0 = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                samples.append(detect("proc_exited", rank, since).monotonic - t0)
+                procs.restart(rank, timeout_s=60)
+            return samples
+
+        out["os_kill"]["SIGKILL"] = summarize_ms(os_kill_trials())  # fresh procs: no torch imported yet
 
         # workers import torch now, not in a timed call. dlopen of libtorch holds the GIL, and on a
         # loaded 2-core machine 4 procs importing at once can be silent past the hang timeout:
@@ -177,16 +181,7 @@ def bench_monarch_nb(trials: int) -> dict:
             ctrl.channel.send(ctrl.proc_record(procs.name, rank).identity, {"kind": "fault", "fault": "heal", "params": {}})
 
         # a worker that imported torch takes longer to die (the kernel tears down a larger address space)
-        samples = []
-        for i in range(trials):
-            rank = i % 4
-            since = events.next_seq
-            pid = ctrl.proc_record(procs.name, rank).pid
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            samples.append(detect("proc_exited", rank, since).monotonic - t0)
-            procs.restart(rank, timeout_s=60)
-        out["os_kill"]["SIGKILL_torch_imported"] = summarize_ms(samples)
+        out["os_kill"]["SIGKILL_torch_imported"] = summarize_ms(os_kill_trials())
         samples = []
         for _ in range(math.ceil(trials / 4)):
             since = events.next_seq
