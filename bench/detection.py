@@ -178,7 +178,7 @@ def bench_monarch_nb(trials: int) -> dict:
             out["inject"][kind] = summarize_ms(samples)
             print(f"  monarch_nb {kind}: p50 {out['inject'][kind]['p50_ms']:.1f} ms", file=sys.stderr)
         for rank in range(4):
-            ctrl.channel.send(ctrl.proc_record(procs.name, rank).identity, {"kind": "fault", "fault": "heal", "params": {}})
+            ctrl.clear_faults(procs.name, rank)
 
         # a worker that imported torch takes longer to die (the kernel tears down a larger address space)
         out["os_kill"]["SIGKILL_torch_imported"] = summarize_ms(os_kill_trials())
@@ -217,7 +217,7 @@ def bench_heartbeat_cpu(seconds: float) -> dict:
     try:
         procs.spawn("idle", Idle).echo.call(0).get(timeout=60)
         time.sleep(1.0)  # let start-up work settle
-        agent_pid = next(iter(Controller.get().agents.values())).pid
+        agent_pid = next(iter(Controller.get().hosts.values())).pid
         ticks = os.sysconf("SC_CLK_TCK")
 
         def agent_cpu_s() -> float:

@@ -4,6 +4,10 @@
 
 Names load lazily, so ``import monarch_nb`` imports neither torch, IPython nor ipywidgets.
 In IPython: ``%load_ext monarch_nb`` registers the ``%mesh`` / ``%%mesh`` magics.
+
+This package's ``__init__`` is the composition root of the controller side: it tells the actor
+API (which never imports the runtime) how to start the runtime when first needed.
+``monarch_nb.proc_main`` is its twin inside each worker proc.
 """
 
 from __future__ import annotations
@@ -11,8 +15,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._lazy import lazy_exports
+from .actor import backend as _backend
 
 __version__ = "0.1.0"
+
+
+def _start_controller() -> "_backend.Backend":
+    """The actor API's default backend: this process's controller, started on first use."""
+    from .runtime.controller import Controller
+
+    return Controller.get()
+
+
+_backend.set_default(_start_controller)
 
 _EXPORTS = {
     "Actor": "monarch_nb.actor.endpoint",

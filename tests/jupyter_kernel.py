@@ -6,7 +6,9 @@ found through JUPYTER_PATH, so the tests use the same spec users get.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import queue
 import tempfile
 import time
@@ -24,6 +26,7 @@ def kernelspec_prefix() -> str:
         from monarch_nb.jupyter.kernelspec import install
 
         prefix = tempfile.mkdtemp(prefix="mnb-kernelspec-")
+        atexit.register(shutil.rmtree, prefix, True)  # the suite leaves no folder behind
         install(prefix=prefix)
         _spec_prefix = os.path.join(prefix, "share", "jupyter")
         os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in [_spec_prefix, os.environ.get("JUPYTER_PATH", "")] if p)
@@ -130,7 +133,7 @@ class Kernel:
         ex = self.ok(
             "from monarch_nb.runtime.controller import Controller as _C\n"
             "_c = _C.existing()\n"
-            "print([r.pid for r in _c.procs.values() if r.pid] + [a.popen.pid for a in _c.agents.values() if a.popen] if _c else [])"
+            "print(_c.pids() if _c else [])"
         )
         return eval(ex.stream_text("stdout").strip().splitlines()[-1])
 

@@ -15,6 +15,12 @@ from .actors import Caller, Counter, Worker
 from .conftest import wait_until
 
 
+@pytest.fixture(params=["ipc", "tcp"])
+def transport(request) -> str:
+    """Every test of this module runs over unix sockets and over TCP on 127.0.0.1."""
+    return request.param
+
+
 def test_every_adverb(procs4):
     counters = procs4.spawn("counters", Counter, 10)
     counters.incr.broadcast(by=5)

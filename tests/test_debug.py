@@ -16,6 +16,7 @@ import monarch_nb
 from monarch_nb.debug import client
 from monarch_nb.debug.magic import parse_ranks
 from monarch_nb.debug.stacks import format_stack
+from monarch_nb.supervision.records import ProcState
 
 from .conftest import pid_alive, wait_until
 from .jupyter_kernel import Kernel
@@ -387,7 +388,7 @@ def test_an_interrupt_ends_a_pause_like_it_ends_a_call(procs4):
     actors = procs4.spawn("interruptible", Interruptible)
     fut = actors.slice(gpus=2).wait_here.call_one()
     client.wait_paused(1, procs4, timeout_s=20)
-    Controller.get().channel.send(f"{procs4.name}.2", {"kind": "interrupt", "actor": "interruptible"})
+    Controller.get().interrupt(procs4.name, 2, "interruptible")
     with pytest.raises(monarch_nb.ActorError) as info:
         fut.get(10)
     assert info.value.exception_type == "KeyboardInterrupt"
@@ -406,7 +407,7 @@ def test_a_paused_rank_is_paused_not_hung(procs4):
     client.wait_paused(1, procs4, timeout_s=20)
     rec = controller.proc_record(procs4.name, 1)
     time.sleep(monarch_nb.configure().hang_timeout_s * 1.5)  # longer than a hang would be allowed
-    assert rec.state == "busy" and rec.paused and rec.paused[0]["function"] == "wait_here"
+    assert rec.state == ProcState.BUSY and rec.paused and rec.paused[0]["function"] == "wait_here"
     kinds = [e.kind for e in controller.events.events(since_seq=since) if e.rank == 1]
     assert "proc_paused" in kinds and "proc_hung" not in kinds and "proc_fenced" not in kinds
     assert [t.rank for t in client.debug_targets(procs4) if t.kind == "paused"] == [1]
@@ -444,7 +445,7 @@ def test_device_line_for_gpus(monkeypatch):
     import torch
 
     from monarch_nb import device
-    from monarch_nb.debug.agent import describe_device
+    from monarch_nb.debug.worker import describe_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

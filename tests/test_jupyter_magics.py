@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from monarch_nb.jupyter.cells import RankSpecError, format_ranks, parse_ranks
 
 from .conftest import pid_alive, wait_until
 from .jupyter_kernel import Kernel
@@ -256,22 +255,6 @@ def test_stop_then_start_again(mesh):
     assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: (2, 3.0)", "Out[1]: (2, 3.0)"]
     assert "torch.distributed gloo" in mesh.ok("%mesh status").stream_text()
     mesh.ok("%mesh stop")
-
-
-# -- no kernel needed --------------------------------------------------------------------------------
-def test_parse_ranks_forms():
-    assert parse_ranks(None, 4) == [0, 1, 2, 3]
-    assert parse_ranks("all", 4) == [0, 1, 2, 3]
-    assert parse_ranks("2", 4) == [2]
-    assert parse_ranks("0,2-3", 4) == [0, 2, 3]
-    assert parse_ranks("1:", 4) == [1, 2, 3]
-    assert parse_ranks("::2", 8) == [0, 2, 4, 6]
-    for bad in ("x", "1-", "3-1", "-1", "0:9", "4", "1::0", ""):
-        if bad == "":
-            continue
-        with pytest.raises(RankSpecError, match=r"valid|backwards"):
-            parse_ranks(bad, 4)
-    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
 def test_tree_magic_shows_the_widget(kernel):

@@ -26,7 +26,7 @@ OVERRIDES = {"02_fault_tolerant_training.ipynb": {"steps": 300}}
 _PIDS_CELL = (
     "from monarch_nb.runtime.controller import Controller as _C\n"
     "_c = _C.existing()\n"
-    "print('PIDS', [r.pid for r in _c.procs.values() if r.pid] + [a.popen.pid for a in _c.agents.values() if a.popen] if _c else [])"
+    "print('PIDS', _c.pids() if _c else [])"
 )
 
 

@@ -120,7 +120,7 @@ def _spawn_controller_script(extra: str = "") -> tuple[subprocess.Popen, list[in
         procs = this_host().spawn_procs(per_host={{"gpus": 4}})
         workers = procs.spawn("w", Worker)
         pids = workers.pid.call().get(timeout=30).values()
-        agent = [a.popen.pid for a in Controller.get().agents.values()]
+        agent = [h.pid for h in Controller.get().hosts.values()]
         print(json.dumps(pids + agent), flush=True)
         {extra}
         """

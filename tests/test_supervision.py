@@ -17,6 +17,7 @@ from monarch_nb import ActorError, SupervisionError
 from monarch_nb.config import config
 from monarch_nb.faults.chaos import ChaosSchedule
 from monarch_nb.runtime.controller import Controller
+from monarch_nb.supervision.records import ProcState
 from monarch_nb.supervision.policy import Failure
 from monarch_nb.supervision.tree import find, render
 
@@ -47,11 +48,11 @@ def m(mesh, no_leaked_processes):
     for rank in range(4):
         rec = ctrl.proc_record(procs.name, rank)
         no_leaked_processes.add(rec.pid)
-        if rec.state == "restarting":
+        if rec.state == ProcState.RESTARTING:
             rec.ready.wait(DEADLINE_S)
-        if rec.state not in ("healthy", "busy"):
+        if rec.state not in (ProcState.HEALTHY, ProcState.BUSY):
             procs.restart(rank, timeout_s=30)
-        ctrl.channel.send(rec.identity, {"kind": "fault", "fault": "heal", "params": {}})
+        ctrl.clear_faults(procs.name, rank)
         no_leaked_processes.add(rec.pid)
     assert workers.echo.call(0).get(timeout=DEADLINE_S).values() == [0] * 4
 
@@ -233,7 +234,7 @@ def test_restart_in_place_respawns_actors(m):
     wait_event(ctrl, procs, "proc_exited", 1, since)
     procs.restart(1)
     rec = ctrl.proc_record(procs.name, 1)
-    assert rec.pid != old_pid and rec.restarts == restarts + 1 and rec.state in ("healthy", "busy")
+    assert rec.pid != old_pid and rec.restarts == restarts + 1 and rec.state in (ProcState.HEALTHY, ProcState.BUSY)
     assert wait_event(ctrl, procs, "proc_restarted", 1, since).cause == "restart"
     assert one.incr.call_one(1).get(timeout=DEADLINE_S) == 6  # constructed again with Counter(5)
     info = one.whoami.call_one().get(timeout=DEADLINE_S)
@@ -252,7 +253,7 @@ def test_restarting_a_healthy_proc_is_not_a_failure(m):
     assert ("proc_stopped", "restart") in events and ("proc_restarted", "restart") in events
     assert not [k for k, _ in events if k in ("proc_exited", "escalated")], events
     rec = ctrl.proc_record(procs.name, 2)
-    assert rec.pid != old_pid and rec.state in ("healthy", "busy")
+    assert rec.pid != old_pid and rec.state in (ProcState.HEALTHY, ProcState.BUSY)
     assert counters.slice(gpus=2).get_value.call_one().get(timeout=DEADLINE_S) == 5
 
 
@@ -396,7 +397,7 @@ def test_chaos_schedule_is_reproducible(m):
         assert injected == [(f.rank, f.kind) for f in done]
         runs.append([f.key() for f in done])
         for rank in range(4):
-            ctrl.channel.send(ctrl.proc_record(procs.name, rank).identity, {"kind": "fault", "fault": "heal", "params": {}})
+            ctrl.clear_faults(procs.name, rank)
     assert runs[0] == runs[1]
     stopped = ChaosSchedule(60.0, ("kill",), seed=1).start(procs)
     stopped.stop()

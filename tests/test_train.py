@@ -10,11 +10,11 @@ import sys
 import threading
 
 import numpy as np
+
 import pytest
 
 from monarch_nb.runtime.controller import Controller
-from monarch_nb.train import SampleLedger, SampleOrder, Workload, parse_fault, start
-from monarch_nb.train.data import shard
+from monarch_nb.train import Workload, start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 24
@@ -33,58 +33,6 @@ def patient_hang_timeout():
     monarch_nb.configure(hang_timeout_s=3.0)
     yield
     monarch_nb.configure(hang_timeout_s=before)
-
-
-# -- pure parts: no procs ---------------------------------------------------------------------------
-def test_sample_order_is_a_pure_function_and_shards_cover_the_batch():
-    a, b = SampleOrder(100, 16, seed=3), SampleOrder(100, 16, seed=3)
-    assert a.steps_per_epoch == 6
-    for step in (0, 5, 6, 40):
-        assert np.array_equal(a.batch(step), b.batch(step))
-    assert not np.array_equal(a.batch(0), SampleOrder(100, 16, seed=4).batch(0))
-    epoch0 = np.concatenate([a.batch(s) for s in range(6)])
-    assert len(set(epoch0.tolist())) == 96  # no sample twice within a data epoch
-    for live in ([0, 1, 2, 3], [0, 3], [2]):
-        parts = [shard(a.batch(7), live, r) for r in live]
-        assert sorted(np.concatenate(parts).tolist()) == sorted(a.batch(7).tolist())
-    with pytest.raises(ValueError, match="not among the live ranks"):
-        shard(a.batch(0), [0, 1], 2)
-
-
-def test_ledger_audit_counts_lost_and_repeated_samples():
-    order = SampleOrder(50, 10, seed=0)
-    ledger = SampleLedger()
-    for s in range(3):
-        batch = order.batch(s).tolist()
-        ledger.record(s, {0: batch[:5], 1: batch[5:]})
-    assert ledger.audit(order, 3)["samples_lost"] == 0
-    ledger.record(1, {0: order.batch(1).tolist()[:9] + [order.batch(1).tolist()[0]]})
-    audit = ledger.audit(order, 3)
-    assert (audit["samples_lost"], audit["samples_repeated"]) == (1, 1)
-
-
-@pytest.mark.parametrize(
-    "spec, message",
-    [
-        ("kill@5", "needs rank"),
-        ("boom@5:rank=1", "unknown fault kind 'boom'"),
-        ("kill@x:rank=1", "is not an integer"),
-        ("slow@3:rank=1,speed=2", "takes ms"),
-        ("hang@3:rank=1,phase=collective", "only for kill"),
-        ("kill", "expected KIND@STEP"),
-    ],
-)
-def test_fault_spec_errors(spec, message):
-    with pytest.raises(ValueError, match=message):
-        parse_fault(spec)
-
-
-def test_fault_spec_forms():
-    f = parse_fault("exit@50:rank=0,code=3")
-    assert (f.kind, f.step, f.rank, f.params) == ("exit", 50, 0, {"code": 3})
-    assert parse_fault("slow@10:rank=1,ms=50").params == {"ms": 50}
-    assert parse_fault({"kind": "kill", "step": 4, "rank": 2}) == parse_fault("kill@4:rank=2")
-    assert parse_fault("kill@40:rank=1,phase=collective").phase == "collective"
 
 
 # -- bad input: a clear error before any worker starts ---------------------------------------------

@@ -6,10 +6,9 @@ they are per thread); on the controller, a mesh of one.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .shape import Extent, Point
@@ -32,6 +31,7 @@ class ActorContext:
         proc_mesh: name of the proc mesh it lives on ("" on the controller).
         proc_rank: flat rank of its proc in that proc mesh.
         pid: OS process id.
+        proc_extent: the dims of its proc mesh.
     """
 
     actor_name: str
@@ -39,6 +39,7 @@ class ActorContext:
     proc_mesh: str
     proc_rank: int
     pid: int
+    proc_extent: Extent = field(default_factory=Extent)
 
     @property
     def actor_instance(self) -> "ActorContext":  # Monarch spells it context().actor_instance
@@ -87,5 +88,4 @@ def this_proc() -> "ProcMesh":
     ctx = context()
     if not ctx.proc_mesh:
         raise RuntimeError("this_proc() is for code running in an actor; on the controller use this_host().spawn_procs()")
-    root = Extent(json.loads(os.environ.get("MONARCH_NB_EXTENT", "{}")))
-    return ProcMesh(ctx.proc_mesh, root, Shape(Extent({}), [ctx.proc_rank]))
+    return ProcMesh(ctx.proc_mesh, ctx.proc_extent, Shape(Extent({}), [ctx.proc_rank]))

@@ -9,24 +9,20 @@ actor meshes can be passed to other actors, which then call them directly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
 
 from ..errors import MeshStoppedError, UnknownEndpointError
-from .endpoint import Endpoint, endpoints_of
+from ..supervision.policy import SupervisionPolicy
+from ..supervision.records import proc_identity
+from . import backend
+from .backend import Target
+from .endpoint import Endpoint, EndpointProperty, endpoints_of
 from .future import Future
 from .shape import Extent, Shape
-
-if TYPE_CHECKING:
-    from ..runtime.controller import Controller
 
 __all__ = ["MeshBase", "HostMesh", "ProcMesh", "ActorMesh", "proc_identity"]
 
 A = TypeVar("A")
-
-
-def proc_identity(proc_mesh: str, rank: int) -> str:
-    """The routing identity of rank ``rank`` of proc mesh ``proc_mesh``."""
-    return f"{proc_mesh}.{rank}"
 
 
 class MeshBase:
@@ -98,14 +94,12 @@ class HostMesh(MeshBase):
             ValueError: a bad ``per_host`` (dims must be identifiers with positive int sizes).
             RuntimeError: a proc failed to start; the message holds its output.
         """
-        from ..runtime.controller import Controller
-
         dims = dict(per_host or {})
         if len(self._shape.extent):
             dims = {**dict(self._shape.extent), **dims}
         extent = Extent(dims)
         hosts = [self._hosts[r] for r in self._shape.ranks]
-        return Controller.get().spawn_procs(hosts, extent, name=name)
+        return ProcMesh(backend.current().spawn_procs(hosts, extent, name), extent)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts} {dict(self.extent)}>"
@@ -126,14 +120,6 @@ class ProcMesh(MeshBase):
     def name(self) -> str:
         return self._name
 
-    def _controller(self) -> "Controller":
-        from ..runtime.controller import Controller
-
-        controller = Controller.existing()
-        if controller is None:
-            raise RuntimeError("spawning actors from inside a worker is not supported; spawn them from the controller")
-        return controller
-
     def spawn(self, name: str, cls: type[A], *args: Any, **kwargs: Any) -> "ActorMesh[A]":
         """Construct ``cls(*args, **kwargs)`` on every proc of this mesh; block until all are built.
 
@@ -147,24 +133,41 @@ class ProcMesh(MeshBase):
 
         if not (isinstance(cls, type) and issubclass(cls, Actor)):
             raise TypeError(f"spawn needs an Actor subclass, got {cls!r}")
-        return self._controller().spawn_actors(self, name, cls, args, kwargs)
+        if not isinstance(name, str) or not name:
+            raise ValueError("an actor mesh needs a non-empty name")
+        EndpointProperty(cls.__init__).check_arguments(cls.__name__, args, kwargs)
+        ranks = list(self._shape.ranks)
+        backend.current().spawn_actors(self._name, ranks, name, cls, args, kwargs)
+        return ActorMesh(name, cls, self._name, self._root, self._shape)
 
     def stop(self) -> None:
         """Stop every proc of this mesh (its actors' ``__cleanup__`` runs first). Idempotent."""
-        controller = self._controller()
-        controller.stop_procs(self._name)
+        backend.current().stop_procs(self._name)
 
     def inject(self, rank: int, kind: str, **params: Any) -> None:
-        """Inject a fault into the proc at flat ``rank``; see :mod:`monarch_nb.faults.inject`."""
-        from ..faults.inject import inject
+        """Make fault ``kind`` happen on the proc at flat ``rank`` (a real SIGKILL, SIGSTOP, ...).
 
-        inject(self, rank, kind, **params)
+        Kinds and their parameters: kill, segfault, exit(code), hang, stall(seconds), raise,
+        nan, slow(ms), partition(seconds) (see :data:`monarch_nb.runtime.protocol.FAULT_KINDS`).
+        A ``fault_injected`` event is recorded before it acts, so detection latency can be
+        measured from it.
+
+        Raises:
+            ValueError: bad kind or params, or a rank outside the mesh.
+            RuntimeError: the proc is not alive (already dead, stopped or restarting).
+        """
+        backend.current().inject(self._name, rank, kind, params)
 
     def restart(self, rank: int, timeout_s: float = 30.0) -> None:
         """Restart the proc at flat ``rank`` in place (same rank and coordinates, new pid) and
-        respawn its actors with their constructor arguments; blocks until it serves again."""
-        controller = self._controller()
-        controller.restart_proc(controller.proc_record(self._name, rank).identity, timeout_s)
+        respawn its actors with their constructor arguments; blocks until it serves again.
+
+        Raises:
+            MeshStoppedError: the mesh was stopped.
+            TimeoutError: it did not come back within ``timeout_s`` seconds.
+            RuntimeError: it came back but an actor constructor failed, or it died while restarting.
+        """
+        backend.current().restart_proc(self._name, rank, timeout_s)
 
     def supervise(
         self, policy: str = "escalate", *, max_restarts: int = 3, backoff_s: float = 0.5,
@@ -192,17 +195,15 @@ class ProcMesh(MeshBase):
 
         See :mod:`monarch_nb.supervision.policy` for the semantics.
         """
-        from ..supervision.policy import SupervisionPolicy
-
         chosen = SupervisionPolicy(policy, max_restarts, backoff_s, backoff_max_s, owner)
-        return self._controller().supervise(self._name, chosen)
+        return backend.current().supervise(self._name, chosen)
 
     def tree(self) -> dict:
         """The supervision tree of this mesh's procs (this slice's) and their actors, as plain data:
         the root is the controller, then host agents, procs and actors. See
         :mod:`monarch_nb.supervision.tree` for the keys (state, pid, rank, coords, restarts,
         heartbeat_age_s, endpoint, endpoint_running_s, uptime_s, ...)."""
-        return self._controller().tree(self._name, set(self._shape.ranks))
+        return backend.current().tree(self._name, set(self._shape.ranks))
 
     def __enter__(self) -> "ProcMesh":
         return self
@@ -256,34 +257,27 @@ class ActorMesh(MeshBase, Generic[A]):
     def name(self) -> str:
         return self._name
 
-    def _targets(self):
-        from ..runtime.messenger import Target
-
+    def _targets(self) -> list[Target]:
         return [
             Target(proc_identity(self._proc_mesh, g), g, dict(self._root.point(g))) for g in self._shape.ranks
         ]
 
     def _live_indices(self) -> list[int]:
-        from ..runtime import messenger
-
-        msgr = messenger.current()
-        live = [i for i, t in enumerate(self._targets()) if msgr.failure_of(t.proc) is None]
+        runtime = backend.current()
+        live = [i for i, t in enumerate(self._targets()) if runtime.failure_of(t.proc) is None]
         return live or list(range(len(self._shape)))
 
     def _send(
         self, endpoint: str, args: tuple, kwargs: dict, *, targets: list[int] | None, single: bool, want_reply: bool = True
     ) -> Future | None:
-        from ..runtime import messenger
-
-        msgr = messenger.current()
-        stopped = getattr(msgr, "stopped_meshes", ())
-        if self._proc_mesh in stopped:
+        runtime = backend.current()
+        if runtime.mesh_stopped(self._proc_mesh):
             raise MeshStoppedError(
                 f"proc mesh {self._proc_mesh!r} was stopped; spawn a new one with this_host().spawn_procs(...)"
             )
         everyone = self._targets()
         chosen = everyone if targets is None else [everyone[i] for i in targets]
-        return msgr.send(
+        return runtime.send(
             chosen, self._name, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply
         )
 

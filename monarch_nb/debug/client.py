@@ -16,7 +16,7 @@
 
 Every function takes ``mesh``: a :class:`~monarch_nb.actor.mesh.ProcMesh`, a proc mesh's name,
 or None for the newest running mesh. Requests travel as ``debug`` messages to the procs
-(:mod:`monarch_nb.debug.agent`) and come back as replies of the controller's messenger, so a
+(:mod:`monarch_nb.debug.worker`) and come back as replies of the controller's messenger, so a
 rank that dies while being asked answers with a clear error instead of silence.
 """
 
@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..errors import MonarchError, SupervisionError
+from ..supervision.records import ProcState
 from . import stacks as stacks_mod
 
 if TYPE_CHECKING:
     from ..actor.mesh import ProcMesh
-    from ..runtime.controller import Controller, ProcRecord
+    from ..runtime.controller import Controller
+    from ..supervision.records import ProcRecord
 
 __all__ = [
     "DebugError",
@@ -130,10 +132,7 @@ def _mesh_name(mesh: "ProcMesh | str | None") -> str:
 
 
 def _records(mesh: str) -> list["ProcRecord"]:
-    from ..runtime.controller import identity_key
-
-    controller = _controller()
-    return [controller.procs[identity_key(i)] for i in controller.meshes[mesh].procs]
+    return _controller().mesh_records(mesh)
 
 
 def _record(mesh: str, rank: Any) -> "ProcRecord":
@@ -147,15 +146,11 @@ def _record(mesh: str, rank: Any) -> "ProcRecord":
 
 def _send(rec: "ProcRecord", request: dict):
     """Send one debug request to ``rec``'s proc; a Future of the reply."""
-    from ..runtime.messenger import Target
+    from ..runtime.protocol import Kind
     from ..transport.serialization import dumps
 
-    controller = _controller()
     body, buffers = dumps(request)
-    return controller.messenger.send_raw(
-        [Target(rec.identity, rec.rank, dict(rec.coords))], "debug", "", body, buffers,
-        extent=None, endpoint=str(request.get("op")),
-    )
+    return _controller().send_request(rec, Kind.DEBUG, body, buffers, str(request.get("op")))
 
 
 def _dead_reason(rec: "ProcRecord") -> str:
@@ -172,7 +167,7 @@ def _dead_reason(rec: "ProcRecord") -> str:
 
 
 def _request(rec: "ProcRecord", request: dict, timeout_s: float = QUICK_TIMEOUT_S) -> dict:
-    if not rec.alive or rec.state == "hung":
+    if not rec.alive or rec.state == ProcState.HUNG:
         raise DebugError(f"rank {rec.rank} is {'hung' if rec.state == 'hung' else 'dead'}: {_dead_reason(rec)}", rec.rank)
     future = _send(rec, request)
     try:
@@ -233,11 +228,11 @@ def debug_targets(mesh: "ProcMesh | str | None" = None, *, include_all_meshes: b
     for name in names:
         for rec in _records(name):
             base = dict(mesh=name, rank=rec.rank, coords=dict(rec.coords), pid=rec.pid)
-            if rec.state in ("failed", "stopped") or not rec.alive:
-                if rec.state == "failed":
+            if rec.state in (ProcState.FAILED, ProcState.STOPPED) or not rec.alive:
+                if rec.state == ProcState.FAILED:
                     targets.append(DebugTarget(kind="dead", detail=_dead_reason(rec), **base))
                 continue
-            if rec.state == "hung":
+            if rec.state == ProcState.HUNG:
                 targets.append(DebugTarget(kind="unreachable", detail="hung (no heartbeat)", **base))
                 continue
             asked.append((rec, base, _send(rec, {"op": "list"})))
@@ -523,7 +518,7 @@ def clear_failures(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | 
     out = {}
     for rank in chosen:
         rec = _record(name, rank)
-        if rec.alive and rec.state != "hung":
+        if rec.alive and rec.state != ProcState.HUNG:
             out[rank] = _request(rec, {"op": "clear"}).get("cleared", 0)
     return out
 
@@ -546,7 +541,7 @@ def stack_data(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None
         rec = _record(name, rank)
         if not rec.alive:
             out[rank] = {"pid": rec.pid, "source": "none", "why": f"rank {rank} is dead: {_dead_reason(rec)}"}
-        elif rec.state == "hung" or rec.pid == 0:
+        elif rec.state == ProcState.HUNG or rec.pid == 0:
             out[rank] = stacks_mod.dump_with_signal(rec.pid) if rec.pid else {"pid": 0, "source": "none", "why": "not started"}
         else:
             asked[rank] = _send(rec, {"op": "stack"})

@@ -304,26 +304,3 @@ def stack_command(line: str, shell: Any = None) -> None:
         _print_stacks(_pick_mesh(options.get("mesh")), argv)
     except (DebugError, ValueError) as exc:
         _say(f"stack: {exc}")
-
-
-def frame_namespace(rank: int) -> dict:
-    """On a worker (``%%mesh --ranks 3 --frame``): the namespace to run a cell in.
-
-    The namespace is the debugged frame's globals overlaid with its locals: the frame selected in
-    an open pdb session on this proc (a paused ``breakpoint()`` first; ``up`` / ``down`` in a
-    post-mortem session move it), else the innermost frame of the proc's newest failure. Names a
-    cell defines stay there for the next ``--frame`` cell on the same frame.
-
-    Args:
-        rank: the rank the cell runs on (this proc's).
-
-    Raises:
-        LookupError: this rank has no failure and no paused breakpoint.
-        RuntimeError: called outside a worker proc.
-    """
-    from . import agent as agent_mod
-
-    agent = agent_mod.current()
-    if agent is None:
-        raise RuntimeError("frame_namespace runs on a worker proc (through %%mesh --frame), not on the controller")
-    return agent.frame_namespace()

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .postmortem import is_runtime_frame
 
 if TYPE_CHECKING:
-    from .agent import DebugAgent
+    from .worker import DebugAgent
     from .postmortem import Failure
 
 __all__ = ["RemotePdb", "Session", "SKIP_MODULES"]

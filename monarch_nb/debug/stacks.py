@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .postmortem import is_runtime_frame
 
 if TYPE_CHECKING:
-    from .agent import DebugAgent
+    from .worker import DebugAgent
 
 __all__ = ["collect", "install_faulthandler", "dump_with_signal", "format_stack", "group_identical", "MEMFD_NAME"]
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .inject import FAULT_KINDS, inject, validate
+from ..runtime.protocol import FAULT_KINDS, validate_fault
 
 if TYPE_CHECKING:
     from ..actor.mesh import ProcMesh
@@ -65,7 +65,7 @@ class ChaosSchedule:
 
     Args:
         mtbf_s: mean seconds between faults (> 0).
-        kinds: fault kinds to draw from, uniformly (see :data:`~monarch_nb.faults.inject.FAULT_KINDS`).
+        kinds: fault kinds to draw from, uniformly (see :data:`~monarch_nb.runtime.protocol.FAULT_KINDS`).
         seed: the random seed; the same seed gives the same times, ranks and kinds.
         ranks: flat ranks to draw from; None for every rank of the mesh (or slice) given to
             :meth:`start` (:meth:`plan` then needs ``world``).
@@ -95,7 +95,7 @@ class ChaosSchedule:
             raise ValueError("kinds must name at least one fault kind")
         params = dict(params or {})
         for kind in kinds:
-            validate(kind, params.get(kind, {}))  # raises ValueError for unknown kinds / bad params
+            validate_fault(kind, params.get(kind, {}))  # raises ValueError for unknown kinds / bad params
         extra = set(params) - set(kinds)
         if extra:
             raise ValueError(f"params given for kinds not in kinds: {sorted(extra)}")
@@ -138,7 +138,7 @@ class ChaosSchedule:
             at += rng.expovariate(1.0 / self.mtbf_s)
             rank = rng.choice(ranks)
             kind = rng.choice(self.kinds)
-            yield ChaosFault(at, rank, kind, {**FAULT_KINDS[kind], **self.params.get(kind, {})})
+            yield ChaosFault(at, rank, kind, {**FAULT_KINDS[kind].params, **self.params.get(kind, {})})
 
     # -- running ------------------------------------------------------------------------------
     def start(self, procs: "ProcMesh") -> "ChaosSchedule":
@@ -169,7 +169,7 @@ class ChaosSchedule:
             if self._stop.wait(max(0.0, start + fault.at_s - time.monotonic())):
                 break
             try:
-                inject(procs, fault.rank, fault.kind, **self.params.get(fault.kind, {}))
+                procs.inject(fault.rank, fault.kind, **self.params.get(fault.kind, {}))
                 fault.status, fault.injected_at_s = "injected", round(time.monotonic() - start, 6)
             except (RuntimeError, ValueError) as exc:  # not alive now, mesh stopped: skip, keep the plan
                 fault.status, fault.error = "skipped", str(exc)

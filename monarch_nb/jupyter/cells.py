@@ -1,6 +1,6 @@
 """Controller side of ``%%mesh``: run a cell on ranks, route each rank's output into that cell.
 
-A :class:`CellRun` sends the cell to the selected ranks' :class:`~.executor.CellExecutor` and
+A :class:`CellRun` sends the cell to the selected ranks' :class:`~.worker.CellExecutor` and
 collects, per rank, the output lines, rich displays, the last expression's value and the error.
 The :class:`OutputRouter` (one per controller, installed in ``Controller.output_sinks`` in place
 of the default printer) reads the executor's marker lines and hands every line written between
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import SupervisionError, format_remote_traceback
-from .executor import MARKER
+from .worker import MARKER
 
 __all__ = ["CellRun", "OutputRouter", "MeshCellError", "parse_ranks", "RankSpecError", "router_for"]
 

@@ -52,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fault_kinds() -> list[str]:
-    from ..faults.inject import FAULT_KINDS
+    from ..runtime.protocol import FAULT_KINDS
 
     return list(FAULT_KINDS)
 
@@ -169,19 +169,13 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def _parse_fault_spec(spec: str, procs: int) -> str:
-    """``kill@50:2`` or ``kill@50:rank=2[,param=v]`` -> the training fault spec ``kill@50:rank=2``;
-    with no rank, the last one."""
-    kind, at, rest = spec.partition("@")
-    if not at or not kind:
-        raise UsageError(f"--fault {spec!r}: expected KIND@STEP[:RANK] or KIND@STEP:rank=R[,param=value], e.g. kill@50:2")
-    if kind not in _fault_kinds():
-        raise UsageError(f"--fault {spec!r}: unknown fault kind {kind!r}; valid kinds: {', '.join(_fault_kinds())}")
-    step, _, params = rest.partition(":")
-    if params.strip().isdigit():
-        params = f"rank={params.strip()}"
-    elif "rank=" not in params:
-        params = f"rank={procs - 1}" + (f",{params}" if params else "")
-    return f"{kind}@{step}:{params}"
+    """``kill@50:2`` or ``kill@50:rank=2[,param=v]`` -> the canonical spec; with no rank, the last one."""
+    from ..faults.spec import parse_fault
+
+    try:
+        return str(parse_fault(spec, default_rank=procs - 1))
+    except ValueError as exc:
+        raise UsageError(f"--fault {spec!r}: {exc}") from None
 
 
 @magics_class
@@ -351,7 +345,7 @@ class MeshMagics(Magics):
             raise UsageError(f"rank {rank} is out of range; valid ranks are 0..{len(procs) - 1}")
 
     def _cmd_fault(self, args: argparse.Namespace) -> None:
-        from ..faults.inject import validate
+        from ..runtime.protocol import validate_fault
 
         kinds = _fault_kinds()
         if args.kind not in kinds:
@@ -359,7 +353,7 @@ class MeshMagics(Magics):
                              "(usage: %mesh fault KIND RANK [PARAM=VALUE ...])")
         params = _parse_params(args.params)
         try:
-            params = validate(args.kind, params)
+            params = validate_fault(args.kind, params)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         procs = self._mesh_for(args.mesh)

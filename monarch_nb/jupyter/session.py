@@ -1,6 +1,6 @@
 """The mesh that ``%mesh`` / ``%%mesh`` act on: one per kernel, started with ``%mesh start``.
 
-A :class:`MeshSession` owns a proc mesh and a :class:`~.executor.CellExecutor` on every proc,
+A :class:`MeshSession` owns a proc mesh and a :class:`~.worker.CellExecutor` on every proc,
 knows how to address one rank's executor, to interrupt it, and keeps the background cells and
 the training run that the magics started. Nothing here imports IPython.
 """
@@ -34,7 +34,7 @@ class MeshSession:
     def __init__(self, procs: Any, *, owned: bool = True) -> None:
         from ..runtime.controller import Controller
 
-        from .executor import CellExecutor
+        from .worker import CellExecutor
 
         self.procs = procs
         self.owned = owned
@@ -69,9 +69,7 @@ class MeshSession:
 
     def interrupt_rank(self, rank: int) -> None:
         """Ask rank ``rank``'s proc to interrupt the cell it runs (handled on its IO thread)."""
-        rec = self.record(rank)
-        if rec.alive:
-            self.controller.channel.send(rec.identity, {"kind": "interrupt", "actor": EXECUTOR_NAME})
+        self.controller.interrupt(self.mesh_name, rank, EXECUTOR_NAME)
 
     # -- cells -----------------------------------------------------------------------------------
     def run_cell(self, source: str, ranks: list[int], **options: Any) -> CellRun:
@@ -106,7 +104,7 @@ class MeshSession:
     # -- lifecycle -------------------------------------------------------------------------------
     def alive(self) -> bool:
         mesh = self.controller.meshes.get(self.mesh_name)
-        return mesh is not None and not mesh.stopped and not self.controller._closed
+        return mesh is not None and not mesh.stopped and not self.controller.closed
 
     def stop(self) -> None:
         for run in self.interrupt_background():

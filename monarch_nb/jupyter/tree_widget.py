@@ -24,6 +24,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from ..supervision.records import ProcState
 from .refresh import refresh_loop
 
 __all__ = ["SupervisionTree", "BUTTON_FAULTS"]
@@ -37,6 +38,8 @@ _MARKER = "\x1emnb:"
 #: (a training run restarts a killed rank within milliseconds: the red would not be seen)
 FAILED_HOLD_S = 1.5
 _FAILURE_EVENTS = ("proc_exited", "proc_hung")
+#: states a failed proc passes through while it comes back (shown as failed for FAILED_HOLD_S)
+_RECOVERING = (ProcState.RESTARTING, ProcState.STARTING, ProcState.FAILED)
 
 _ESM = r"""
 const COLORS = {healthy: "#2e7d32", busy: "#1565c0", paused: "#00838f", starting: "#9e9e9e", hung: "#ef6c00",
@@ -220,9 +223,7 @@ class SupervisionTree(anywidget.AnyWidget):
 
     # -- state ------------------------------------------------------------------------------------
     def _snapshot(self) -> dict:
-        from ..supervision.tree import snapshot
-
-        tree = snapshot(self._controller, self._mesh)
+        tree = self._controller.tree(self._mesh)
         running = {name for name, m in self._controller.meshes.items() if not m.stopped}
         failures = self._failures
         now = time.monotonic()
@@ -235,11 +236,11 @@ class SupervisionTree(anywidget.AnyWidget):
                     last = seen[-1]
                     proc["last_failure"] = {"kind": last.kind, "cause": last.cause, "detail": last.detail,
                                             "clock": time.strftime("%H:%M:%S", time.localtime(last.time))}
-                    if now - last.monotonic < FAILED_HOLD_S and proc["state"] in ("restarting", "starting", "failed"):
+                    if now - last.monotonic < FAILED_HOLD_S and proc["state"] in _RECOVERING:
                         proc["detail"] = {**proc.get("detail", {}), "state_now": proc["state"]}
-                        proc["state"] = "failed"
+                        proc["state"] = ProcState.FAILED
                         for actor in proc.get("children", []):
-                            actor["state"] = "failed"
+                            actor["state"] = ProcState.FAILED
                 if proc.get("heartbeat_age_s") is not None:
                     proc["heartbeat_age_s"] = round(proc["heartbeat_age_s"], 1)
                 for actor in proc.get("children", []):
@@ -261,7 +262,7 @@ class SupervisionTree(anywidget.AnyWidget):
 
         node = next((n for n in walk(tree) if n["name"] == self.selected), None)
         if node is None:
-            return {"node": {"kind": "gone", "name": self.selected, "state": "stopped"}}
+            return {"node": {"kind": "gone", "name": self.selected, "state": ProcState.STOPPED}}
         out: dict = {"node": {k: v for k, v in node.items() if k != "children"}}
         if node.get("rank") is not None and node.get("mesh"):
             try:

@@ -1,230 +1,156 @@
 """The controller: root of the supervision tree, owner of every mesh, hub of all messages.
 
-One per process that drives meshes (the notebook kernel, a script). It binds a ROUTER socket;
-host agents and procs connect to it. Messages between procs (an actor calling another actor) are
-forwarded here unchanged (still signed by their sender). The controller learns of proc exits from
-host agents, of hangs from missing heartbeats, of endpoint errors from procs, and records each as
-an :class:`~monarch_nb.supervision.events.Event`. It never exits or interrupts the main thread
-because of a fault: it is a notebook kernel.
+One per process that drives meshes (the notebook kernel, a script); it implements the actor
+API's :class:`~monarch_nb.actor.backend.Backend` and installs itself when it starts. It binds a
+ROUTER socket; host agents and procs connect to it. Messages between procs (an actor calling
+another actor) are forwarded here unchanged (still signed by their sender). Incoming messages are
+dispatched by kind (:class:`~monarch_nb.runtime.protocol.Kind`) from one table; liveness
+(:mod:`.liveness`) turns hellos, heartbeats and exits into states and events, the supervisor
+thread (:mod:`.supervisor`) applies policies. The controller never exits or interrupts the main
+thread because of a fault: it is a notebook kernel.
 """
 
 from __future__ import annotations
 
 import atexit
-import codecs
-import collections
 import itertools
 import json
 import logging
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from ..actor.mesh import ActorMesh, ProcMesh, proc_identity
+from .. import device
+from ..actor import backend
+from ..actor.backend import Target
+from ..actor.future import Future
 from ..actor.shape import Extent
 from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
-from ..supervision.policy import SupervisionPolicy, Supervisor
+from ..supervision.policy import SupervisionPolicy
+from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, ProcState, proc_identity
+from ..supervision.tree import snapshot
 from ..transport import shm
-from ..transport.channel import Channel, route_id
+from ..transport.channel import Channel
 from ..transport.serialization import dumps
-from ..transport.wire import Signer
-from . import messenger as messenger_mod
-from .messenger import Messenger, Target
+from ..transport.wire import Signer, route_id
+from .launch import LocalAgent, proc_specs
+from .liveness import Liveness
+from .messenger import Messenger
+from .output import LineAssembler, OutputLine, print_output
+from .protocol import CONTROLLER, FAULT_KINDS, AgentEnv, Kind, validate_fault
+from .rendezvous import LazyStore
+from .supervisor import Supervisor
 
-__all__ = ["Controller", "ProcRecord", "OutputLine"]
+__all__ = ["Controller", "OutputLine", "print_output"]
 
 log = logging.getLogger(__name__)
 
-IDENTITY = "ctrl"
-
-
-@dataclass
-class OutputLine:
-    """One line a proc wrote. ``stream`` is "stdout" or "stderr"; ``text`` has no newline."""
-
-    mesh: str
-    rank: int
-    stream: str
-    text: str
-
-
-@dataclass
-class ProcRecord:
-    """What the controller knows of one proc: a node of the supervision tree."""
-
-    identity: str
-    mesh: str
-    rank: int
-    coords: dict
-    host: str
-    spec: dict
-    state: str = "starting"  # starting, healthy, busy, hung, failed, restarting, stopping, stopped
-    pid: int = 0
-    restarts: int = 0
-    last_heartbeat: float = 0.0
-    busy: dict = field(default_factory=dict)
-    output_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
-    exit_info: dict | None = None
-    fenced: bool = False
-    loading: list = field(default_factory=list)  # heavy imports in progress (GIL held): see import_grace
-    restart_kill_pid: int = 0  # the pid restart_proc killed on purpose: its exit is no failure
-    paused: list = field(default_factory=list)  # breakpoint() sessions holding its actors (debugger)
-    ready: threading.Event = field(default_factory=threading.Event)
-    started_at: float = 0.0  # monotonic time of this incarnation's hello
-    failure: Any = None  # the supervision Failure of this incarnation, once it failed
-
-    @property
-    def alive(self) -> bool:
-        return self.state in ("starting", "healthy", "busy", "hung", "restarting", "stopping")
-
-
-@dataclass
-class ActorSpawn:
-    """How an actor mesh was built, kept to respawn it on a restarted proc."""
-
-    name: str
-    cls: type
-    body: bytes
-    buffers: list
-    ranks: list[int]
-
-
-@dataclass
-class ProcMeshRecord:
-    name: str
-    extent: Extent
-    procs: list[str]
-    actors: list[ActorSpawn] = field(default_factory=list)
-    stopped: bool = False
-    supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
-
-
-@dataclass
-class AgentRecord:
-    name: str
-    popen: subprocess.Popen | None
-    ready: threading.Event = field(default_factory=threading.Event)
-    pid: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-
-
-class _LineAssembler:
-    """Turns (proc, stream) byte chunks into whole lines, decoding UTF-8 across chunk edges."""
-
-    def __init__(self) -> None:
-        self._decoders: dict = {}
-        self._partial: dict = {}
-
-    def feed(self, key: tuple, data: bytes) -> list[str]:
-        decoder = self._decoders.setdefault(key, codecs.getincrementaldecoder("utf-8")(errors="replace"))
-        text = self._partial.pop(key, "") + decoder.decode(data)
-        lines = text.split("\n")
-        if lines[-1]:
-            self._partial[key] = lines[-1]
-        return lines[:-1]
-
-    def flush(self, key: tuple) -> list[str]:
-        decoder = self._decoders.pop(key, None)
-        rest = self._partial.pop(key, "") + (decoder.decode(b"", final=True) if decoder else "")
-        return [rest] if rest else []
-
-
-def print_output(line: OutputLine) -> None:
-    """Default output sink: ``[rank] text`` on the controller's stdout or stderr."""
-    stream = sys.stderr if line.stream == "stderr" else sys.stdout
-    print(f"[{line.rank}] {line.text}", file=stream, flush=True)
+_RUN_DIR_PREFIX = "monarch_nb-"
 
 
 class Controller:
-    """Owns host agents, proc meshes and the event log. Use :meth:`get`; there is one per process."""
+    """Owns host agents, proc meshes and the event log. Use :meth:`get`; there is one per process.
+
+    Attributes:
+        events: the :class:`~monarch_nb.supervision.events.EventLog` of every supervision event.
+        procs: proc identity -> :class:`~monarch_nb.supervision.records.ProcRecord`.
+        meshes: proc mesh name -> :class:`~monarch_nb.supervision.records.ProcMeshRecord`.
+        hosts: host agent name -> :class:`~monarch_nb.supervision.records.HostRecord`.
+        output_sinks: callables given each :class:`~monarch_nb.runtime.output.OutputLine`.
+    """
 
     _instance: "Controller | None" = None
     _instance_lock = threading.Lock()
 
     @classmethod
     def get(cls) -> "Controller":
+        """The running controller; started on first use (or after a shutdown)."""
         with cls._instance_lock:
-            if cls._instance is None or cls._instance._closed:
+            if cls._instance is None or cls._instance.closed:
                 cls._instance = cls()
             return cls._instance
 
     @classmethod
     def existing(cls) -> "Controller | None":
+        """The running controller, or None."""
         inst = cls._instance
-        return inst if inst is not None and not inst._closed else None
+        return inst if inst is not None and not inst.closed else None
 
     def __init__(self) -> None:
         self.config = config
         self.signer = Signer(secrets.token_bytes(32), sign_buffers=config.sign_buffers)
-        self.run_dir = tempfile.mkdtemp(prefix="monarch_nb-")
+        sweep_stale_run_dirs()
+        shm.sweep_stale()
+        self.run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
         self.run_id = secrets.token_hex(8)
         same_host = config.transport != "tcp"
-        self.channel = Channel(IDENTITY, self.signer, self._on_message, router=True, shm_run_id=self.run_id if same_host else None)
+        self.channel = Channel(CONTROLLER, self.signer, self._on_message, router=True,
+                               shm_run_id=self.run_id if same_host else None)
         if config.transport == "tcp":
             self.address = self.channel.bind(f"tcp://{config.bind_host}:0")
         else:
             self.address = self.channel.bind(f"ipc://{self.run_dir}/controller")
         self.messenger = Messenger(self.channel)
-        self.messenger.stopped_meshes = set()  # type: ignore[attr-defined]
-        messenger_mod.install(self.messenger)
         self.events = EventLog()
         self.procs: dict[str, ProcRecord] = {}
         self.meshes: dict[str, ProcMeshRecord] = {}
-        self.agents: dict[str, AgentRecord] = {}
+        self.hosts: dict[str, HostRecord] = {}
         self.output_sinks: list[Callable[[OutputLine], None]] = [print_output]
-        self._lines = _LineAssembler()
+        self._agents: dict[str, LocalAgent] = {}
+        self._stores: dict[str, LazyStore] = {}
+        self._lines = LineAssembler()
         self._mesh_ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
         self.started_at = time.monotonic()
+        self.liveness = Liveness(self)
         self.supervisor = Supervisor(self)
-        self.channel.every(config.heartbeat_interval_s, self._check_heartbeats)
+        self._handlers: dict[str, Callable[[dict, Any, list], None]] = {
+            Kind.REPLY: self.messenger.on_reply,
+            Kind.HEARTBEAT: self._from_proc(self.liveness.on_heartbeat),
+            Kind.HELLO: self._from_proc(self.liveness.on_hello),
+            Kind.OUTPUT: self._on_output,
+            Kind.PROC_SPAWNED: self._on_proc_spawned,
+            Kind.PROC_EXITED: self._on_proc_exited,
+            Kind.ACTOR_ERROR: self._from_proc(self._on_actor_error),
+            Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
+            Kind.AGENT_HELLO: self._on_agent_hello,
+        }
+        self.channel.every(config.heartbeat_interval_s, self._tick)
         self.channel.start(name="monarch_nb-controller-io")
+        backend.install(self)
         atexit.register(self.shutdown)
 
-    # -- host agents ------------------------------------------------------------------------------
-    def _agent(self, host: str) -> AgentRecord:
-        if host not in ("localhost", "127.0.0.1"):
-            raise ValueError(f"host {host!r}: only the local host is supported here; start remote hosts with `monarch-nb host`")
-        name = "host0"
-        with self._lock:
-            agent = self.agents.get(name)
-            if agent is not None and agent.popen is not None and agent.popen.poll() is None:
-                return agent
-            env = dict(os.environ)
-            env.update(
-                MONARCH_NB_KEY=self.signer._key.hex(),
-                MONARCH_NB_CONTROLLER=self.address,
-                MONARCH_NB_CONTROLLER_PID=str(os.getpid()),
-                MONARCH_NB_RUN_ID=self.run_id if self.channel.shm_run_id else "",
-                MONARCH_NB_ORPHAN_CHECK_S=str(config.orphan_check_s),
-                PYTHONPATH=os.pathsep.join(p for p in [_package_root(), env.get("PYTHONPATH", "")] if p),
-            )
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "monarch_nb.runtime.host_agent", name],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            agent = self.agents[name] = AgentRecord(name, popen)
-        if not agent.ready.wait(config.start_timeout_s):
-            raise RuntimeError(f"host agent {name} did not connect within {config.start_timeout_s} s")
-        return agent
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` ran."""
+        return self._closed
 
-    # -- procs ------------------------------------------------------------------------------------
-    def spawn_procs(self, hosts: list[str], extent: Extent, *, name: str | None = None) -> ProcMesh:
-        """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`)."""
-        from .. import device
+    # -- the actor API's backend -------------------------------------------------------------------
+    def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
+             extent: Extent | None, want_reply: bool = True) -> Future | None:
+        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply)
 
+    def failure_of(self, proc: str) -> SupervisionError | None:
+        return self.messenger.failure_of(proc)
+
+    def mesh_stopped(self, mesh: str) -> bool:
+        record = self.meshes.get(mesh)
+        return record is not None and record.stopped
+
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None) -> str:
+        """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
+
+        Raises:
+            ValueError: ``name`` is not a new identifier, or a host is not this one.
+            RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
+        """
         with self._lock:
             if name is None:
                 name = f"pm{next(self._mesh_ids)}"
@@ -232,92 +158,65 @@ class Controller:
                     name = f"pm{next(self._mesh_ids)}"
             elif not name.isidentifier() or name in self.meshes:
                 raise ValueError(f"proc mesh name {name!r} must be a new identifier")
-        agent = self._agent(hosts[0])
-        world = extent.nelements
-        per_host = world // max(1, len(hosts))
+        host = self._host_agent(hosts[0])
         inventory = device.detect_gpus()
-        specs = []
-        records = []
-        for point in extent.points():
-            identity = proc_identity(name, point.rank)
-            local_rank = point.rank % per_host
-            env = {
-                "RANK": str(point.rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(per_host),
-                "MONARCH_NB_COORDS": json.dumps(dict(point)),
-                "MONARCH_NB_EXTENT": json.dumps(dict(extent)),
-                "MONARCH_NB_CONTROLLER": self.address,
-                "MONARCH_NB_HEARTBEAT_INTERVAL_S": str(config.heartbeat_interval_s),
-                "MONARCH_NB_SYS_PATH": json.dumps([p for p in sys.path if p]),
-                **device.visibility_env(local_rank, inventory),
-            }
-            spec = {"identity": identity, "rank": point.rank, "env": env, "cwd": os.getcwd()}
-            specs.append(spec)
-            records.append(ProcRecord(identity, name, point.rank, dict(point), agent.name, spec))
+        store = LazyStore()
+        specs = proc_specs(
+            name, extent, [host.name], controller=self.address, heartbeat_interval_s=config.heartbeat_interval_s,
+            run_id=self.channel.shm_run_id or "", master_port=store.port,
+            visibility=lambda local_rank: device.visibility_env(local_rank, inventory),
+        )
+        records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
         with self._lock:
             for rec in records:
-                self.procs[identity_key(rec.identity)] = rec
-            self.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records])
-        self.channel.send(agent.name, {"kind": "spawn_procs"}, json.dumps(specs).encode())
+                self.procs[rec.identity] = rec
+            self.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records], supervision=SupervisionPolicy())
+            self._stores[name] = store
+        self.channel.add_reader(store.fd, lambda _fd: self._start_store(store))
+        self.channel.send(host.name, {"kind": Kind.SPAWN_PROCS}, json.dumps(specs).encode())
         deadline = time.monotonic() + config.start_timeout_s
         for rec in records:
             while not rec.ready.wait(0.05):
-                if rec.state == "failed" or time.monotonic() > deadline:
+                if rec.state == ProcState.FAILED or time.monotonic() > deadline:
                     self.stop_procs(name)
                     tail = "\n".join(rec.output_tail) or "(no output)"
-                    why = f"exited ({rec.exit_info})" if rec.state == "failed" else f"did not start within {config.start_timeout_s} s"
+                    why = f"exited ({rec.exit_info})" if rec.state == ProcState.FAILED else f"did not start within {config.start_timeout_s} s"
                     raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
-        return ProcMesh(name, extent)
+        return name
 
-    def spawn_actors(self, procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
-        from ..actor.endpoint import EndpointProperty
+    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
+        """Construct ``cls(*args, **kwargs)`` on ``ranks`` of proc mesh ``mesh``; block until built.
 
-        if not isinstance(name, str) or not name:
-            raise ValueError("an actor mesh needs a non-empty name")
-        mesh = self._mesh(procs.name)
-        if any(a.name == name for a in mesh.actors):
-            raise ValueError(f"an actor mesh named {name!r} already lives on proc mesh {procs.name!r}; pick another name")
-        EndpointProperty(cls.__init__).check_arguments(cls.__name__, args, kwargs)
-        ranks = list(procs._shape.ranks)
-        body, buffers = dumps((cls, args, kwargs, procs.extent, ranks))
+        Raises:
+            ValueError: an actor mesh called ``name`` already lives on that proc mesh.
+            ActorError: a constructor raised on some rank.
+            MeshStoppedError: the proc mesh was stopped.
+        """
+        record = self._mesh(mesh)
+        if any(a.name == name for a in record.actors):
+            raise ValueError(f"an actor mesh named {name!r} already lives on proc mesh {mesh!r}; pick another name")
+        body, buffers = dumps((cls, args, kwargs, record.extent, ranks))
         spawn = ActorSpawn(name, cls, body, buffers, ranks)
-        mesh.actors.append(spawn)
-        targets = [Target(proc_identity(procs.name, r), r, dict(mesh.extent.point(r))) for r in ranks]
-        future = self._send_spawn(targets, spawn, procs.extent)
+        record.actors.append(spawn)
+        targets = [self._target(mesh, r) for r in ranks]
+        future = self._send_spawn(targets, spawn, record.extent)
         try:
             future.get()
         except BaseException:
-            mesh.actors.remove(spawn)
+            record.actors.remove(spawn)
             raise
-        return ActorMesh(name, cls, procs.name, mesh.extent, procs._shape)
 
-    def _send_spawn(self, targets: list[Target], spawn: ActorSpawn, extent: Extent | None, even_if_failed: bool = False):
-        return self.messenger.send_raw(
-            targets, "spawn", spawn.name, spawn.body, spawn.buffers, extent=extent, even_if_failed=even_if_failed
-        )
-
-    def _mesh(self, name: str) -> ProcMeshRecord:
-        mesh = self.meshes.get(name)
-        if mesh is None:
-            raise KeyError(f"no proc mesh {name!r}")
-        if mesh.stopped:
-            raise MeshStoppedError(f"proc mesh {name!r} was stopped; spawn a new one with this_host().spawn_procs(...)")
-        return mesh
-
-    def stop_procs(self, name: str, timeout_s: float | None = None) -> None:
-        """Stop the procs of mesh ``name``: ask nicely, SIGKILL after ``stop_timeout_s``. Idempotent."""
-        mesh = self.meshes.get(name)
-        if mesh is None or mesh.stopped:
+    def stop_procs(self, mesh: str, timeout_s: float | None = None) -> None:
+        """Stop the procs of ``mesh``: ask nicely, SIGKILL after ``stop_timeout_s``. Idempotent."""
+        record = self.meshes.get(mesh)
+        if record is None or record.stopped:
             return
-        mesh.stopped = True
-        self.messenger.stopped_meshes.add(name)  # type: ignore[attr-defined]
-        records = [self.procs[identity_key(i)] for i in mesh.procs]
+        record.stopped = True
+        records = [self.procs[i] for i in record.procs]
         for rec in records:
             if rec.alive:
-                rec.state = "stopping"
-                self.channel.send(rec.identity, {"kind": "stop"})
+                rec.state = ProcState.STOPPING
+                self.channel.send(rec.identity, {"kind": Kind.STOP})
         deadline = time.monotonic() + (config.stop_timeout_s if timeout_s is None else timeout_s)
         while any(r.alive for r in records) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -328,11 +227,91 @@ class Controller:
         while any(r.alive for r in records) and time.monotonic() < deadline:
             time.sleep(0.01)
         self.messenger.fail_all(lambda t: SupervisionError(t.rank, "stopped", "the proc mesh was stopped"))
+        store = self._stores.pop(mesh, None)
+        if store is not None:
+            self.channel.remove_reader(store.fd)
+            store.close()
 
-    def signal_proc(self, identity: str, signame: str) -> None:
-        rec = self.procs[identity_key(identity)]
-        self.channel.send(rec.host, {"kind": "signal", "proc": rec.identity, "signal": signame})
+    def restart_proc(self, mesh: str, rank: int, timeout_s: float = 30.0) -> None:
+        """Restart one proc in place: same rank and coordinates, new pid, its actors respawned
+        with their constructor arguments. Blocks until it serves again.
 
+        Raises:
+            ValueError: no such mesh or rank.
+            MeshStoppedError: its mesh was stopped.
+            TimeoutError: it did not come back within ``timeout_s``.
+            RuntimeError: it came back but an actor constructor failed, or it died meanwhile.
+        """
+        rec = self.proc_record(mesh, rank)
+        self._mesh(rec.mesh)
+        if rec.state in (ProcState.HEALTHY, ProcState.BUSY, ProcState.HUNG, ProcState.STARTING):
+            rec.fenced = rec.fenced or rec.state == ProcState.HUNG
+            rec.state = ProcState.RESTARTING
+            rec.restart_kill_pid = rec.pid
+            self.signal_proc(rec.identity, "SIGKILL")
+            deadline = time.monotonic() + 5.0
+            while rec.exit_info is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.messenger.proc_failed(rec.identity, SupervisionError(rec.rank, "restarting", "the proc is being restarted"))
+        rec.state = ProcState.RESTARTING
+        rec.restarts += 1
+        rec.ready.clear()
+        self.record_event("proc_restarting", rec, detail=f"restart {rec.restarts}", cause="restart")
+        self.channel.send(rec.host, {"kind": Kind.SPAWN_PROCS}, json.dumps([rec.spec]).encode())
+        deadline = time.monotonic() + timeout_s
+        while not rec.ready.wait(0.05):
+            if rec.state == ProcState.FAILED:  # the new incarnation died before it served
+                tail = "\n".join(list(rec.output_tail)[-20:]) or "(no output)"
+                raise RuntimeError(f"proc {rec.identity} died while restarting ({rec.exit_info}); its output:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
+        if not rec.serving:  # busy: a heartbeat already saw an endpoint running
+            raise RuntimeError(f"proc {rec.identity} restarted but is {rec.state}: {self.events.events()[-1].detail}")
+
+    def supervise(self, mesh: str, policy: SupervisionPolicy) -> SupervisionPolicy:
+        """Make ``policy`` the supervision policy of proc mesh ``mesh`` (see :meth:`ProcMesh.supervise`)."""
+        self._mesh(mesh).supervision = policy
+        return policy
+
+    def tree(self, mesh: str | None = None, ranks: set[int] | None = None) -> dict:
+        """The supervision tree as plain data (see :func:`monarch_nb.supervision.tree.snapshot`)."""
+        return snapshot(self.hosts.values(), self.meshes, self.procs, closed=self._closed,
+                        started_at=self.started_at, mesh=mesh, ranks=ranks)
+
+    def inject(self, mesh: str, rank: int, kind: str, params: dict) -> Event:
+        """Make fault ``kind`` happen on one proc; records ``fault_injected`` first (see
+        :meth:`ProcMesh.inject`).
+
+        Raises:
+            ValueError: a bad kind or params, or no such rank.
+            RuntimeError: the proc is not serving (dead, stopped, restarting).
+        """
+        params = validate_fault(kind, params)
+        rec = self.proc_record(mesh, rank)
+        if not rec.serving:
+            raise RuntimeError(f"rank {rank} of {mesh!r} is {rec.state}; faults go to live procs (restart it first)")
+        detail = f"{kind} {params}" if params else kind
+        event = self.record_event("fault_injected", rec, detail=detail, cause=kind)
+        signame = FAULT_KINDS[kind].signal
+        if signame is not None:
+            self.signal_proc(rec.identity, signame)
+        else:
+            self.channel.send(rec.identity, {"kind": Kind.FAULT, "fault": kind, "params": params})
+        return event
+
+    def clear_faults(self, mesh: str, rank: int) -> None:
+        """Disarm the in-proc faults (raise, slow, nan) still pending on rank ``rank`` of ``mesh``."""
+        rec = self.proc_record(mesh, rank)
+        if rec.alive:
+            self.channel.send(rec.identity, {"kind": Kind.FAULT, "fault": "clear", "params": {}})
+
+    def interrupt(self, mesh: str, rank: int, actor: str) -> None:
+        """Interrupt the endpoint that ``actor`` runs on rank ``rank`` of ``mesh`` (its ``__interrupt__``)."""
+        rec = self.proc_record(mesh, rank)
+        if rec.alive:
+            self.channel.send(rec.identity, {"kind": Kind.INTERRUPT, "actor": actor})
+
+    # -- for features: records, events, signals -----------------------------------------------------
     def proc_record(self, mesh: str, rank: int) -> ProcRecord:
         """The record of rank ``rank`` of proc mesh ``mesh``.
 
@@ -344,121 +323,44 @@ class Controller:
             raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.meshes)}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(record.procs):
             raise ValueError(f"rank {rank!r} is not in proc mesh {mesh!r}: valid ranks are 0..{len(record.procs) - 1}")
-        return self.procs[identity_key(record.procs[rank])]
+        return self.procs[record.procs[rank]]
 
-    def inject_fault(self, mesh: str, rank: int, kind: str, params: dict, signal: str | None) -> Event:
-        """Make fault ``kind`` happen on one proc (see :mod:`monarch_nb.faults.inject`)."""
-        rec = self.proc_record(mesh, rank)
-        if rec.state not in ("healthy", "busy"):
-            raise RuntimeError(f"rank {rank} of {mesh!r} is {rec.state}; faults go to live procs (restart it first)")
-        detail = f"{kind} {params}" if params else kind
-        event = self._event("fault_injected", rec, detail=detail, cause=kind)
-        if signal is not None:
-            self.signal_proc(rec.identity, signal)
-        else:
-            self.channel.send(rec.identity, {"kind": "fault", "fault": kind, "params": params})
-        return event
+    def pids(self) -> list[int]:
+        """The pids of every proc and host agent this controller started (for leak checks)."""
+        return sorted({rec.pid for rec in self.procs.values() if rec.pid} | {h.pid for h in self.hosts.values() if h.pid})
 
-    def tree(self, mesh: str | None = None, ranks: set[int] | None = None) -> dict:
-        """The supervision tree as plain data (see :func:`monarch_nb.supervision.tree.snapshot`)."""
-        from ..supervision.tree import snapshot
+    def mesh_records(self, mesh: str) -> list[ProcRecord]:
+        """The records of proc mesh ``mesh``'s procs, in rank order.
 
-        return snapshot(self, mesh, ranks)
+        Raises:
+            ValueError: no such mesh.
+        """
+        record = self.meshes.get(mesh)
+        if record is None:
+            raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.meshes)}")
+        return [self.procs[i] for i in record.procs]
 
-    def supervise(self, mesh: str, policy: SupervisionPolicy) -> SupervisionPolicy:
-        """Make ``policy`` the supervision policy of proc mesh ``mesh`` (see :meth:`ProcMesh.supervise`)."""
-        self._mesh(mesh).supervision = policy
-        return policy
-
-    # -- incoming messages (IO thread) -------------------------------------------------------------
-    def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
-        if header["dst"] != IDENTITY:
-            self.channel.forward(header["dst"], frames)
-            return
-        kind = header["kind"]
-        if kind == "reply":
-            self.messenger.on_reply(header, body, buffers)
-        elif kind == "hb":
-            self._on_heartbeat(header)
-        elif kind == "output":
-            self._on_output(header, bytes(body))
-        elif kind == "hello":
-            self._on_hello(header)
-        elif kind == "proc_spawned":
-            rec = self.procs.get(identity_key(header["proc"]))
-            if rec is not None:
-                rec.pid = header["pid"]
-        elif kind == "proc_exited":
-            self._on_exit(header)
-        elif kind == "actor_error":
-            rec = self.procs.get(identity_key(route_id(header["src"])))
-            if rec is not None:
-                self._event("actor_error", rec, detail=header.get("detail", ""), cause="exception")
-        elif kind == "fault_fired":
-            rec = self.procs.get(identity_key(route_id(header["src"])))
-            if rec is not None:
-                self._event("fault_fired", rec, detail=header.get("detail", ""), cause=header.get("fault", ""))
-        elif kind == "agent_hello":
-            agent = self.agents.get(route_id(header["src"]))
-            if agent is not None:
-                agent.pid = header["pid"]
-                agent.ready.set()
-        else:
-            log.warning("unknown message kind %r from %s", kind, header["src"])
-
-    def _event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
+    def record_event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
+        """Append an event about ``rec``'s proc to the log (see :data:`~monarch_nb.supervision.events.EVENT_KINDS`)."""
         return self.events.append(Event(kind, rank=rec.rank, coords=rec.coords, pid=rec.pid, mesh=rec.mesh, **fields))
 
-    def _on_hello(self, header: dict) -> None:
-        rec = self.procs.get(identity_key(route_id(header["src"])))
-        if rec is None:
-            return
-        rec.pid = header["pid"]
-        rec.last_heartbeat = time.monotonic()
-        rec.exit_info = None
-        rec.fenced = False
-        rec.failure = None
-        rec.started_at = rec.last_heartbeat
-        restarting = rec.state == "restarting"
-        rec.state = "healthy"
-        if restarting:
-            self._respawn_actors(rec)
-        else:
-            self._event("proc_started", rec, detail=f"pid {rec.pid}")
-            rec.ready.set()
+    def signal_proc(self, identity: str, signame: str) -> None:
+        """Have the proc's host agent send it ``signame`` (``"SIGKILL"``, ``"SIGSTOP"``, ...)."""
+        rec = self.procs[route_id(identity)]
+        self.channel.send(rec.host, {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": signame})
 
-    def _on_heartbeat(self, header: dict) -> None:
-        rec = self.procs.get(identity_key(route_id(header["src"])))
-        if rec is None:
-            return
-        rec.last_heartbeat = time.monotonic()
-        rec.busy = header.get("busy", {})
-        rec.loading = header.get("loading", [])
-        paused = header.get("paused", [])
-        if bool(paused) != bool(rec.paused):  # a user is debugging it: paused, not hung
-            where = ", ".join(f"{p.get('actor')}.{p.get('function')}:{p.get('line')}" for p in paused)
-            self._event("proc_paused" if paused else "proc_continued", rec, detail=where or "continued", cause="debugger")
-            if paused:  # a hint where the user looks: the rank's output, in the notebook
-                self._emit_lines(rec.mesh, rec.rank, "stderr", [f"paused at breakpoint() in {where}: %mesh debug attaches"], None)
-        rec.paused = paused
-        if rec.state in ("healthy", "busy"):
-            rec.state = "busy" if rec.busy else "healthy"
-        elif rec.state == "hung" and not rec.fenced:  # it was only slow (fencing off): serving again
-            rec.state = "busy" if rec.busy else "healthy"
-            rec.failure = None
-            self.messenger.proc_recovered(rec.identity)
-            for other in self.procs.values():
-                if other is not rec and other.alive and other.state != "starting":
-                    self.channel.send(other.identity, {"kind": "proc_recovered", "proc": rec.identity})
-            self._event("proc_resumed", rec, detail="heartbeats resumed", cause="heartbeat")
+    def send_request(self, rec: ProcRecord, kind: Kind, body: bytes, buffers: list, op: str) -> Future:
+        """Send a request of a plugin's ``kind`` (e.g. ``Kind.DEBUG``) to ``rec``'s proc; a Future
+        of its reply, failed with SupervisionError if the proc dies first."""
+        future = self.messenger.send_raw([self._target(rec.mesh, rec.rank)], kind, "", body, buffers,
+                                         extent=None, endpoint=op)
+        assert future is not None
+        return future
 
-    def _on_output(self, header: dict, data: bytes) -> None:
-        rec = self.procs.get(identity_key(header["proc"]))
-        mesh = rec.mesh if rec else ""
-        key = (header["proc"], header["stream"])
-        self._emit_lines(mesh, header["rank"], header["stream"], self._lines.feed(key, data), rec)
-
-    def _emit_lines(self, mesh: str, rank: int, stream: str, lines: list[str], rec: ProcRecord | None) -> None:
+    def emit_lines(self, rec: ProcRecord | None, stream: str, lines: list[str], *, mesh: str = "", rank: int = -1) -> None:
+        """Hand ``lines`` of ``rec``'s proc (or of mesh/rank when no record is known) to every sink."""
+        if rec is not None:
+            mesh, rank = rec.mesh, rec.rank
         for text in lines:
             if rec is not None:
                 rec.output_tail.append(text)
@@ -469,119 +371,117 @@ class Controller:
                 except Exception:
                     log.exception("output sink %r failed", sink)
 
-    def _on_exit(self, header: dict) -> None:
-        rec = self.procs.get(identity_key(header["proc"]))
-        if rec is None:
-            return
+    def flush_output(self, rec: ProcRecord) -> None:
+        """Emit the partial lines ``rec``'s proc left unterminated (it exited)."""
         for stream in ("stdout", "stderr"):
-            self._emit_lines(rec.mesh, rec.rank, stream, self._lines.flush((header["proc"], stream)), rec)
-        rec.exit_info = {"returncode": header["returncode"], "signal": header.get("signal")}
-        rec.busy = {}
-        rec.paused = []
-        if rec.state == "stopping":
-            rec.state = "stopped"
-            self._event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")
-            return
-        if rec.state == "restarting" and header.get("pid") == rec.restart_kill_pid:  # restart_proc killed it
-            self._event("proc_stopped", rec, detail="killed to restart in place", cause="restart")
-            return
-        signame = header.get("signal")
-        if rec.fenced:
-            cause = "fenced"
-        elif signame:
-            cause = signame
-        else:
-            cause = f"exit {header['returncode']}"
-        detail = header.get("detail") or (f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
-        rec.state = "failed"
-        self._event("proc_exited", rec, detail=detail, cause=cause)
-        self._fail_proc(rec, cause, detail, signame)
+            self.emit_lines(rec, stream, self._lines.flush((rec.identity, stream)))
 
-    def _fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:
-        error = SupervisionError(rec.rank, cause, detail, signame)
-        self.messenger.proc_failed(rec.identity, error)
-        note = json.dumps({"rank": rec.rank, "cause": cause, "detail": detail, "signal": signame}).encode()
-        for other in self.procs.values():
-            if other is not rec and other.alive and other.state != "starting":
-                self.channel.send(other.identity, {"kind": "proc_failed", "proc": rec.identity}, note)
-        self.supervisor.on_failure(rec, cause, detail, signame)
-
-    def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        for rec in list(self.procs.values()):
-            allowed_s = max(config.hang_timeout_s, config.import_grace_s) if rec.loading else config.hang_timeout_s
-            if rec.state in ("healthy", "busy") and now - rec.last_heartbeat > allowed_s:
-                rec.state = "hung"
-                silent = now - rec.last_heartbeat
-                self._event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
-                self._fail_proc(rec, "hung", f"no heartbeat for {silent:.2f} s", None)
-                if config.fence_hung:
-                    rec.fenced = True
-                    self.signal_proc(rec.identity, "SIGKILL")
-                    self._event("proc_fenced", rec, detail="SIGKILL after hang", cause="fencing")
-
-    # -- restart ----------------------------------------------------------------------------------
-    def _respawn_actors(self, rec: ProcRecord) -> None:
-        mesh = self.meshes[rec.mesh]
-        spawns = [s for s in mesh.actors if rec.rank in s.ranks]
+    def respawn_actors(self, rec: ProcRecord) -> list[Future]:
+        """Construct every actor of ``rec``'s rank again (a restarted proc); one Future each."""
+        spawns = [s for s in self.meshes[rec.mesh].actors if rec.rank in s.ranks]
         target = Target(rec.identity, rec.rank, rec.coords)
-        futures = [self._send_spawn([target], s, None, even_if_failed=True) for s in spawns]
+        return [self._send_spawn([target], s, None, even_if_failed=True) for s in spawns]
 
-        def finish() -> None:
-            errors = [f.exception() for f in futures]
-            failed = [e for e in errors if e is not None]
-            if failed:
-                rec.state = "failed"
-                self._event("proc_exited", rec, detail=f"actor respawn failed: {failed[0]}", cause="respawn")
-                rec.ready.set()
-                return
-            self.messenger.proc_recovered(rec.identity)
-            for other in self.procs.values():
-                if other is not rec and other.alive:
-                    self.channel.send(other.identity, {"kind": "proc_recovered", "proc": rec.identity})
-            self._event("proc_restarted", rec, detail=f"pid {rec.pid}, restart {rec.restarts}", cause="restart")
-            rec.ready.set()
+    # -- internals ------------------------------------------------------------------------------------
+    def _mesh(self, name: str) -> ProcMeshRecord:
+        mesh = self.meshes.get(name)
+        if mesh is None:
+            raise KeyError(f"no proc mesh {name!r}")
+        if mesh.stopped:
+            raise MeshStoppedError(f"proc mesh {name!r} was stopped; spawn a new one with this_host().spawn_procs(...)")
+        return mesh
 
-        threading.Thread(target=finish, name="respawn", daemon=True).start()
+    def _target(self, mesh: str, rank: int) -> Target:
+        rec = self.procs[proc_identity(mesh, rank)]
+        return Target(rec.identity, rec.rank, dict(rec.coords))
 
-    def restart_proc(self, identity: str, timeout_s: float = 30.0) -> None:
-        """Restart one proc in place: same rank and coordinates, new pid, its actors respawned
-        with their constructor arguments. Blocks until it serves again.
+    def _send_spawn(self, targets: list[Target], spawn: ActorSpawn, extent: Extent | None, even_if_failed: bool = False) -> Future:
+        future = self.messenger.send_raw(
+            targets, Kind.SPAWN, spawn.name, spawn.body, spawn.buffers, extent=extent, even_if_failed=even_if_failed
+        )
+        assert future is not None
+        return future
 
-        Raises:
-            MeshStoppedError: its mesh was stopped.
-            TimeoutError: it did not come back within ``timeout_s``.
-            RuntimeError: it came back but an actor constructor failed.
-        """
-        rec = self.procs[identity_key(identity)]
-        self._mesh(rec.mesh)
-        if rec.state in ("healthy", "busy", "hung", "starting"):
-            rec.fenced = rec.fenced or rec.state == "hung"
-            rec.state = "restarting"
-            rec.restart_kill_pid = rec.pid
-            self.signal_proc(rec.identity, "SIGKILL")
-            deadline = time.monotonic() + 5.0
-            while rec.exit_info is None and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self.messenger.proc_failed(rec.identity, SupervisionError(rec.rank, "restarting", "the proc is being restarted"))
-        rec.state = "restarting"
-        rec.restarts += 1
-        rec.ready.clear()
-        self._event("proc_restarting", rec, detail=f"restart {rec.restarts}", cause="restart")
-        self.channel.send(rec.host, {"kind": "spawn_procs"}, json.dumps([rec.spec]).encode())
-        deadline = time.monotonic() + timeout_s
-        while not rec.ready.wait(0.05):
-            if rec.state == "failed":  # the new incarnation died before it served
-                tail = "\n".join(list(rec.output_tail)[-20:]) or "(no output)"
-                raise RuntimeError(f"proc {identity} died while restarting ({rec.exit_info}); its output:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"proc {identity} did not come back within {timeout_s} s")
-        if rec.state not in ("healthy", "busy"):  # busy: a heartbeat already saw an endpoint running
-            raise RuntimeError(f"proc {identity} restarted but is {rec.state}: {self.events.events()[-1].detail}")
+    def _host_agent(self, host: str) -> HostRecord:
+        if host not in ("localhost", "127.0.0.1"):
+            raise ValueError(f"host {host!r}: only the local host is supported here; start remote hosts with `monarch-nb host`")
+        name = "host0"
+        with self._lock:
+            record = self.hosts.get(name)
+            agent = self._agents.get(name)
+            if record is not None and agent is not None and agent.alive():
+                pass
+            else:
+                env = AgentEnv(self.address, self.signer.key.hex(), os.getpid(), self.channel.shm_run_id or "",
+                               config.orphan_check_s)
+                self._agents[name] = LocalAgent(name, env)
+                record = self.hosts[name] = HostRecord(name, pid=self._agents[name].pid)
+        if not record.ready.wait(config.start_timeout_s):
+            raise RuntimeError(f"host agent {name} did not connect within {config.start_timeout_s} s")
+        return record
+
+    def _start_store(self, store: LazyStore) -> None:
+        self.channel.remove_reader(store.fd)
+        store.start()
+
+    def _tick(self) -> None:
+        self.liveness.check_heartbeats()
+        for name, agent in list(self._agents.items()):
+            record = self.hosts.get(name)
+            if record is not None and record.state == ProcState.HEALTHY and not agent.alive():
+                record.state = ProcState.STOPPED if self._closed else ProcState.FAILED
+
+    # -- incoming messages (IO thread) ---------------------------------------------------------------
+    def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
+        if header["dst"] != CONTROLLER:
+            self.channel.forward(header["dst"], frames)
+            return
+        handler = self._handlers.get(header["kind"])
+        if handler is None:
+            log.warning("unknown message kind %r from %s", header["kind"], header["src"])
+            return
+        handler(header, body, buffers)
+
+    def _from_proc(self, fn: Callable[[ProcRecord, dict], None]) -> Callable[[dict, Any, list], None]:
+        """A handler for messages a proc sends about itself (its record found from ``src``)."""
+        def handle(header: dict, body: Any, buffers: list) -> None:
+            rec = self.procs.get(route_id(header["src"]))
+            if rec is not None:
+                fn(rec, header)
+        return handle
+
+    def _on_output(self, header: dict, body: Any, buffers: list) -> None:
+        rec = self.procs.get(route_id(header["proc"]))
+        lines = self._lines.feed((header["proc"], header["stream"]), bytes(body))
+        self.emit_lines(rec, header["stream"], lines, rank=header["rank"])
+
+    def _on_proc_spawned(self, header: dict, body: Any, buffers: list) -> None:
+        rec = self.procs.get(route_id(header["proc"]))
+        if rec is not None:
+            rec.pid = header["pid"]
+
+    def _on_proc_exited(self, header: dict, body: Any, buffers: list) -> None:
+        rec = self.procs.get(route_id(header["proc"]))
+        if rec is not None:
+            self.liveness.on_exit(rec, header)
+
+    def _on_actor_error(self, rec: ProcRecord, header: dict) -> None:
+        self.record_event("actor_error", rec, detail=header.get("detail", ""), cause="exception")
+
+    def _on_fault_fired(self, rec: ProcRecord, header: dict) -> None:
+        self.record_event("fault_fired", rec, detail=header.get("detail", ""), cause=header.get("fault", ""))
+
+    def _on_agent_hello(self, header: dict, body: Any, buffers: list) -> None:
+        record = self.hosts.get(route_id(header["src"]))
+        if record is not None:
+            record.pid = header["pid"]
+            record.state = ProcState.HEALTHY
+            record.ready.set()
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop every mesh and host agent and close the socket. Runs at interpreter exit."""
+        """Stop every mesh and host agent, close the socket, remove the run folder. Runs at
+        interpreter exit; idempotent."""
         if self._closed:
             return
         for name in list(self.meshes):
@@ -589,26 +489,41 @@ class Controller:
                 self.stop_procs(name, timeout_s=2.0)
             except Exception:
                 log.exception("stopping %s failed", name)
-        for agent in self.agents.values():
-            self.channel.send(agent.name, {"kind": "shutdown"})
-        for agent in self.agents.values():
-            if agent.popen is not None:
-                try:
-                    agent.popen.wait(timeout=3.0)
-                except subprocess.TimeoutExpired:
-                    agent.popen.kill()
-                    agent.popen.wait()
+        for name in self._agents:
+            self.channel.send(name, {"kind": Kind.SHUTDOWN})
+        for name, agent in self._agents.items():
+            agent.wait(3.0)
+            self.hosts[name].state = ProcState.STOPPED
         self._closed = True
         self.supervisor.close()
         self.channel.close()
         shm.remove_orphans(self.run_id)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        messenger_mod.install(None)
+        if backend.existing() is self:
+            backend.install(None)
 
 
-def identity_key(identity: str) -> str:
-    return route_id(identity)
+def sweep_stale_run_dirs() -> int:
+    """Remove run folders of controllers that are gone (their pid is in the folder's name); return how many."""
+    removed = 0
+    root = tempfile.gettempdir()
+    for entry in os.listdir(root):
+        if not entry.startswith(_RUN_DIR_PREFIX):
+            continue
+        pid_text = entry[len(_RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_exists(int(pid_text)):
+            continue
+        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        removed += 1
+    return removed
 
 
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+

@@ -1,6 +1,7 @@
 """Host agent main: spawns this host's procs, forwards their output, reports their exits at once.
 
-Started by the controller as ``python -m monarch_nb.runtime.host_agent <name>``. It is the parent
+Runs in the host agent process, started by the controller as ``python -m
+monarch_nb.runtime.host_agent <name>`` (environment: :class:`~.protocol.AgentEnv`). It is the parent
 of every proc on its host, so it learns of a proc's death from the OS (SIGCHLD -> waitpid) with
 no polling, and it owns the procs' stdout/stderr pipes, so output written just before a crash is
 still read and forwarded — before the exit report, on the same socket, so in order.
@@ -25,6 +26,7 @@ from typing import Any
 from ..transport import shm
 from ..transport.channel import Channel
 from ..transport.wire import Signer
+from .protocol import CONTROLLER, AgentEnv, Kind, ProcEnv
 
 log = logging.getLogger("monarch_nb.host_agent")
 
@@ -41,13 +43,15 @@ class ChildProc:
 
 
 class HostAgent:
-    def __init__(self, name: str):
+    def __init__(self, name: str, env: AgentEnv):
         self.name = name
-        key = bytes.fromhex(os.environ.pop("MONARCH_NB_KEY"))
-        self.parent_pid = int(os.environ["MONARCH_NB_CONTROLLER_PID"])
-        self.controller_address = os.environ["MONARCH_NB_CONTROLLER"]
-        self.key_hex = key.hex()
-        self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
+        self.env = env
+        self.channel = Channel(f"{name}#{os.getpid()}", Signer(bytes.fromhex(env.key_hex)), self._on_message)
+        self._handlers = {
+            Kind.SPAWN_PROCS: lambda header, body: [self._spawn(spec) for spec in json.loads(bytes(body))],
+            Kind.SIGNAL: lambda header, body: self._signal(header["proc"], header["signal"]),
+            Kind.SHUTDOWN: lambda header, body: self.shutdown(),
+        }
         self.children: dict[int, ChildProc] = {}  # pid -> child
         self._sigchld_r, self._sigchld_w = os.pipe()
         os.set_blocking(self._sigchld_r, False)
@@ -55,24 +59,24 @@ class HostAgent:
 
     # -- messages from the controller ----------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
-        kind = header["kind"]
-        if kind == "spawn_procs":
-            for spec in json.loads(bytes(body)):
-                self._spawn(spec)
-        elif kind == "signal":
-            self._signal(header["proc"], header["signal"])
-        elif kind == "shutdown":
-            self.shutdown()
+        handler = self._handlers.get(header["kind"])
+        if handler is None:
+            log.warning("unknown message kind %r from %s", header["kind"], header["src"])
+            return
+        handler(header, body)
 
     def _spawn(self, spec: dict) -> None:
-        env = dict(os.environ)
-        env.update(spec["env"])
-        env["MONARCH_NB_KEY"] = self.key_hex
-        env["MONARCH_NB_AGENT_PID"] = str(os.getpid())
+        """Start one proc from its spec (see :func:`monarch_nb.runtime.launch.proc_specs`)."""
+        proc_env = ProcEnv.from_json(spec["env"])
+        proc_env.key_hex = self.env.key_hex
+        proc_env.agent_pid = os.getpid()
+        base = spec.get("base_env")
+        env = dict(base) if base is not None else dict(os.environ)
+        env.update(proc_env.to_env())
         env["PYTHONUNBUFFERED"] = "1"
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "monarch_nb.runtime.proc", spec["identity"]],
+                [sys.executable, "-m", "monarch_nb.proc_main", spec["identity"]],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -81,7 +85,8 @@ class HostAgent:
                 cwd=spec.get("cwd") or None,
             )
         except OSError as exc:
-            self.channel.send("ctrl", {"kind": "proc_exited", "proc": spec["identity"], "pid": 0, "returncode": 127, "signal": None, "detail": f"could not start: {exc}"})
+            self.channel.send(CONTROLLER, {"kind": Kind.PROC_EXITED, "proc": spec["identity"], "pid": 0, "returncode": 127,
+                                           "signal": None, "detail": f"could not start: {exc}"})
             return
         child = ChildProc(spec["identity"], spec["rank"], popen)
         for stream, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
@@ -90,7 +95,7 @@ class HostAgent:
             child.fds[fd] = stream
             self.channel.add_reader(fd, self._read_output)
         self.children[popen.pid] = child
-        self.channel.send("ctrl", {"kind": "proc_spawned", "proc": spec["identity"], "pid": popen.pid})
+        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": spec["identity"], "pid": popen.pid})
 
     def _signal(self, identity: str, signame: str) -> None:
         for pid, child in self.children.items():
@@ -133,8 +138,8 @@ class HostAgent:
                 return
             child.seq[stream] += 1
             self.channel.send(
-                "ctrl",
-                {"kind": "output", "proc": child.identity, "rank": child.rank, "stream": stream, "oseq": child.seq[stream]},
+                CONTROLLER,
+                {"kind": Kind.OUTPUT, "proc": child.identity, "rank": child.rank, "stream": stream, "oseq": child.seq[stream]},
                 data,
             )
 
@@ -167,12 +172,12 @@ class HostAgent:
             child.popen.returncode = returncode
             signame = signal.Signals(-returncode).name if returncode < 0 else None
             self.channel.send(
-                "ctrl",
-                {"kind": "proc_exited", "proc": child.identity, "pid": pid, "returncode": returncode, "signal": signame, "time": time.time()},
+                CONTROLLER,
+                {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": returncode, "signal": signame, "time": time.time()},
             )
 
     def _check_parent(self) -> None:
-        if os.getppid() != self.parent_pid:
+        if self.env.controller_pid and os.getppid() != self.env.controller_pid:
             self.shutdown()
 
     def shutdown(self) -> None:
@@ -186,9 +191,8 @@ class HostAgent:
             self._reap()
             time.sleep(0.005)
         self.channel.close()
-        run_id = os.environ.get("MONARCH_NB_RUN_ID")
-        if run_id:  # files of messages that were never received (their receiver died)
-            shm.remove_orphans(run_id)
+        if self.env.run_id:  # files of messages that were never received (their receiver died)
+            shm.remove_orphans(self.env.run_id)
         os._exit(0)
 
     def main(self) -> None:
@@ -196,16 +200,16 @@ class HostAgent:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.channel.add_reader(self._sigchld_r, self._on_sigchld)
-        self.channel.connect(self.controller_address)
-        self.channel.every(float(os.environ.get("MONARCH_NB_ORPHAN_CHECK_S", "0.1")), self._check_parent)
-        self.channel.send("ctrl", {"kind": "agent_hello", "pid": os.getpid(), "host": self.name})
+        self.channel.connect(self.env.controller)
+        self.channel.every(self.env.orphan_check_s, self._check_parent)
+        self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HELLO, "pid": os.getpid(), "host": self.name})
         self._check_parent()
         self.channel.run_forever()
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    HostAgent(sys.argv[1]).main()
+    HostAgent(sys.argv[1], AgentEnv.from_env(os.environ)).main()
 
 
 if __name__ == "__main__":

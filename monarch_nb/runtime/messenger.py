@@ -17,25 +17,19 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..actor.backend import Target
 from ..actor.future import Future
 from ..actor.shape import Extent
 from ..actor.value_mesh import ValueMesh
 from ..errors import ActorError, SupervisionError, error_from_reply
-from ..transport.channel import Channel, route_id
+from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
+from ..transport.wire import route_id
+from .protocol import Kind
 
-__all__ = ["Messenger", "Target", "current", "install"]
+__all__ = ["Messenger"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Target:
-    """One actor to call: the proc's routing identity, the actor's flat rank and coordinates."""
-
-    proc: str
-    rank: int
-    coords: dict
 
 
 @dataclass
@@ -83,7 +77,7 @@ class Messenger:
             SerializationError: an argument cannot be pickled; nothing was sent.
         """
         body, buffers = dumps((args, kwargs))
-        return self.send_raw(targets, "call", actor, body, buffers, extent=extent, endpoint=endpoint, want_reply=want_reply)
+        return self.send_raw(targets, Kind.CALL, actor, body, buffers, extent=extent, endpoint=endpoint, want_reply=want_reply)
 
     def send_raw(
         self,
@@ -207,20 +201,3 @@ class Messenger:
                 self._complete(cid, index, error=error_factory(pending.targets[index]))
 
 
-_current: Messenger | None = None
-
-
-def install(messenger: Messenger | None) -> None:
-    """Make ``messenger`` the one this process calls through."""
-    global _current
-    _current = messenger
-
-
-def current() -> Messenger:
-    """This process's messenger; on the controller it is started on first use."""
-    if _current is None:
-        from .controller import Controller
-
-        Controller.get()
-    assert _current is not None
-    return _current

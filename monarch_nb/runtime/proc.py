@@ -1,11 +1,17 @@
-"""Worker process main: hosts actors, runs their endpoints, sends heartbeats.
+"""The worker core: hosts actors, runs their endpoints, sends heartbeats. Runs inside each proc.
 
-Started by a host agent as ``python -m monarch_nb.runtime.proc <identity>``. The main thread
-runs the IO loop (the only user of the ZeroMQ socket; it also sends heartbeats, so a busy actor
-does not look hung, while a GIL-holding C call or SIGSTOP does). Each actor gets its own thread
-and mailbox, so an endpoint may block on another actor's reply (``.get()`` inside an endpoint),
-even one living in the same proc, without deadlock. Messages from one sender to one actor are run
-in order.
+A proc is started by its host agent as ``python -m monarch_nb.proc_main <identity>``, which
+builds a :class:`Proc` and installs the features' worker plugins (faults, debugger) before it
+serves. The core knows no feature: a plugin registers a handler for its message kind
+(:meth:`Proc.register`), hooks around endpoint calls (:meth:`Proc.add_call_hook`), fields of the
+heartbeat (:meth:`Proc.add_heartbeat_field`) and observers of endpoint failures
+(:meth:`Proc.add_failure_hook`).
+
+The main thread runs the IO loop (the only user of the ZeroMQ socket; it also sends heartbeats,
+so a busy actor does not look hung, while a GIL-holding C call or SIGSTOP does). Each actor gets
+its own thread and mailbox, so an endpoint may block on another actor's reply (``.get()`` inside
+an endpoint), even one living in the same proc, without deadlock. Messages from one sender to
+one actor are run in order.
 
 The proc dies with its host agent (PR_SET_PDEATHSIG) and exits when told to stop.
 """
@@ -23,23 +29,43 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence
 
+from ..actor import backend
 from ..actor import context as actor_context
+from ..actor.backend import Target
 from ..actor.endpoint import endpoints_of
+from ..actor.future import Future
 from ..actor.shape import Extent
-from ..debug.agent import DebugAgent
-from ..errors import UnknownEndpointError, capture_traceback
+from ..errors import SupervisionError, UnknownEndpointError, capture_traceback
 from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import Signer
 from . import import_grace
-from . import messenger as messenger_mod
 from .messenger import Messenger
+from .protocol import CONTROLLER, Kind, ProcEnv
+
+__all__ = ["Proc", "CallHook", "Plugin", "current", "main"]
 
 log = logging.getLogger("monarch_nb.proc")
 
 PR_SET_PDEATHSIG = 1
+
+Handler = Callable[[dict, Any, list], None]
+
+
+class CallHook(Protocol):
+    """Runs around every endpoint call on a proc (the faults plugin's ``raise``, ``slow``, ``nan``)."""
+
+    def before_call(self, actor: str, endpoint: str) -> None:
+        """Before the endpoint runs, on the actor's thread; may raise (the call then fails)."""
+
+    def after_call(self, result: Any, actor: str, endpoint: str) -> Any:
+        """After it returned, on the actor's thread; returns the result to send."""
+
+
+#: A worker plugin: ``install(proc)`` registers its handlers and hooks.
+Plugin = Callable[["Proc"], None]
 
 
 def die_with_parent(expected_parent: int) -> None:
@@ -49,7 +75,7 @@ def die_with_parent(expected_parent: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the host agent's orphan check still covers us
         pass
-    if os.getppid() != expected_parent:
+    if expected_parent and os.getppid() != expected_parent:
         os._exit(1)
 
 
@@ -85,23 +111,22 @@ class ActorRunner:
         endpoint = header.get("ep", "__init__")
         self.current = (endpoint, time.monotonic())
         try:
-            value = self._spawn(header, body, buffers) if header["kind"] == "spawn" else self._call(header, body, buffers)
+            value = self._spawn(body, buffers) if header["kind"] == Kind.SPAWN else self._call(header, body, buffers)
             ok = True
         except BaseException as exc:  # report everything, KeyboardInterrupt from an interrupt included
             ok, value = False, capture_traceback(exc)
-            self.proc.debug.record_failure(self.name, endpoint, exc)  # post-mortem
-            self.proc.report_actor_error(self.name, endpoint, value)
+            self.proc.endpoint_failed(self.name, endpoint, exc, value)
         finally:
             self.current = None
         if "cid" in header:
             self.proc.reply(header, ok, value)
 
-    def _spawn(self, header: dict, body: Any, buffers: list) -> None:
+    def _spawn(self, body: Any, buffers: list) -> None:
         cls, args, kwargs, extent, ranks = loads(body, buffers)
         point = extent.point(ranks.index(self.proc.rank))
-        actor_context._set(
-            actor_context.ActorContext(self.name, point, self.proc.mesh_name, self.proc.rank, os.getpid())
-        )
+        actor_context._set(actor_context.ActorContext(
+            self.name, point, self.proc.mesh_name, self.proc.rank, os.getpid(), proc_extent=self.proc.extent,
+        ))
         self.endpoints = endpoints_of(cls)
         self.instance = cls(*args, **kwargs)
 
@@ -116,13 +141,16 @@ class ActorRunner:
                 f"{type(self.instance).__name__} has no endpoint {endpoint!r}; its endpoints are {sorted(self.endpoints)}"
             )
         prop.check_arguments(type(self.instance).__name__, args, kwargs)
-        self.proc.faults.before_call(self.name, endpoint)
+        for hook in self.proc.call_hooks:
+            hook.before_call(self.name, endpoint)
         result = prop.fn(self.instance, *args, **kwargs)
         if inspect.isawaitable(result):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             result = self._loop.run_until_complete(result)
-        return self.proc.faults.after_call(result, self.name, endpoint)
+        for hook in self.proc.call_hooks:
+            result = hook.after_call(result, self.name, endpoint)
+        return result
 
     def stop(self) -> None:
         self.mailbox.put(None)
@@ -138,151 +166,109 @@ class ActorRunner:
                 log.exception("%s.__interrupt__ raised", self.name)
 
 
-class ProcFaults:
-    """Faults that act inside the proc's own code path: raise, slow, nan, partition, stall.
+class Proc:
+    """The worker process: its channel, messenger, actors, and the plugins' handlers and hooks.
 
-    kill / segfault / hang are signals sent by the host agent; exit is ``os._exit`` here.
+    It is the actor API's backend inside the worker: actors call other actors through it.
+
+    Args:
+        identity: the routing identity (``"pm0.3"``).
+        env: the proc's environment (:class:`~monarch_nb.runtime.protocol.ProcEnv`).
     """
 
-    def __init__(self, proc: "Proc"):
-        self.proc = proc
-        self.raise_next = 0
-        self.slow_ms = 0.0
-        self.slow_reported = True
-        self.nan_next = 0
-
-    def fired(self, kind: str, detail: str) -> None:
-        """Tell the controller an injected fault took effect (a ``fault_fired`` event)."""
-        self.proc.channel.send("ctrl", {"kind": "fault_fired", "fault": kind, "detail": detail})
-
-    def apply(self, kind: str, params: dict) -> None:
-        if kind == "raise":
-            self.raise_next += 1
-        elif kind == "slow":
-            self.slow_ms = float(params.get("ms", 100.0))
-            self.slow_reported = False
-        elif kind == "nan":
-            self.nan_next += 1
-        elif kind == "partition":
-            self.proc.channel.muted_until = time.monotonic() + float(params.get("seconds", 5.0))
-        elif kind == "stall":
-            _hold_gil(float(params.get("seconds", 5.0)))
-        elif kind == "exit":
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(int(params.get("code", 1)))
-        elif kind == "segfault":
-            ctypes.string_at(0)
-        elif kind == "heal":
-            self.raise_next = self.nan_next = 0
-            self.slow_ms = 0.0
-
-    def before_call(self, actor: str, endpoint: str) -> None:
-        if self.slow_ms:
-            if not self.slow_reported:
-                self.slow_reported = True
-                self.fired("slow", f"{actor}.{endpoint} delayed by {self.slow_ms:g} ms")
-            time.sleep(self.slow_ms / 1000.0)
-        if self.raise_next:
-            self.raise_next -= 1
-            raise RuntimeError(f"injected fault: raise (rank {self.proc.rank}, {actor}.{endpoint})")
-
-    def after_call(self, result: Any, actor: str = "", endpoint: str = "") -> Any:
-        if self.nan_next and _is_tensor(result):
-            self.nan_next -= 1
-            result = result.clone()
-            result.view(-1)[0] = float("nan")
-            self.fired("nan", f"{actor}.{endpoint} result poisoned with NaN")
-        return result
-
-    def take_nan(self) -> bool:
-        """True once per injected nan fault: training code poisons its next gradient."""
-        if self.nan_next:
-            self.nan_next -= 1
-            self.fired("nan", "gradient poisoned with NaN")
-            return True
-        return False
-
-
-def _is_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
-
-
-def _hold_gil(seconds: float) -> None:
-    """Sleep in C *without* releasing the GIL: every thread of this proc stalls (a stuck C call)."""
-    libc = ctypes.PyDLL(None)  # PyDLL: calls keep the GIL
-    libc.usleep(ctypes.c_uint(int(min(seconds, 4000.0) * 1e6)))
-
-
-class Proc:
-    """The worker process: its channel, messenger, actors and faults."""
-
-    def __init__(self, identity: str):
+    def __init__(self, identity: str, env: ProcEnv):
         self.identity = identity
         self.mesh_name, rank = identity.rsplit(".", 1)
         self.rank = int(rank)
-        key = bytes.fromhex(os.environ.pop("MONARCH_NB_KEY"))
-        self.controller_address = os.environ["MONARCH_NB_CONTROLLER"]
-        self.heartbeat_interval_s = float(os.environ.get("MONARCH_NB_HEARTBEAT_INTERVAL_S", "0.25"))
-        self.extent = Extent(json.loads(os.environ.get("MONARCH_NB_EXTENT", "{}")))
+        self.env = env
+        self.extent = Extent(env.extent)
         self.channel = Channel(
-            f"{identity}#{os.getpid()}", Signer(key), self._on_message, shm_run_id=os.environ.get("MONARCH_NB_RUN_ID") or None
+            f"{identity}#{os.getpid()}", Signer(bytes.fromhex(env.key_hex)), self._on_message,
+            shm_run_id=env.run_id or None,
         )
         self.messenger = Messenger(self.channel)
-        messenger_mod.install(self.messenger)
         self.actors: dict[str, ActorRunner] = {}
-        self.faults = ProcFaults(self)
-        self.debug = DebugAgent(self, notify=self._heartbeat)  # failures, pdb sessions, stacks
+        self.call_hooks: list[CallHook] = []
+        self._heartbeat_fields: list[Callable[[], dict]] = []
+        self._failure_hooks: list[Callable[[str, str, BaseException], None]] = []
+        self._handlers: dict[str, Handler] = {
+            Kind.CALL: self._on_call,
+            Kind.REPLY: self.messenger.on_reply,
+            Kind.SPAWN: self._on_spawn,
+            Kind.PROC_FAILED: self._on_proc_failed,
+            Kind.PROC_RECOVERED: lambda header, body, buffers: self.messenger.proc_recovered(header["proc"]),
+            Kind.INTERRUPT: self._on_interrupt,
+            Kind.STOP: lambda header, body, buffers: self.stop(),
+        }
         self._stopping = False
+        backend.install(self)
+
+    # -- plugins ---------------------------------------------------------------------------------
+    def register(self, kind: Kind, handler: Handler) -> None:
+        """Handle messages of ``kind`` with ``handler(header, body, buffers)`` on the IO thread
+        (it must not block)."""
+        self._handlers[kind] = handler
+
+    def add_call_hook(self, hook: CallHook) -> None:
+        """Run ``hook`` around every endpoint call."""
+        self.call_hooks.append(hook)
+
+    def add_heartbeat_field(self, fields: Callable[[], dict]) -> None:
+        """Merge ``fields()`` into every heartbeat (e.g. ``{"paused": [...]}``)."""
+        self._heartbeat_fields.append(fields)
+
+    def add_failure_hook(self, hook: Callable[[str, str, BaseException], None]) -> None:
+        """Call ``hook(actor, endpoint, exc)`` on the actor's thread when an endpoint raises."""
+        self._failure_hooks.append(hook)
+
+    def send_to_controller(self, header: dict, body: bytes = b"") -> None:
+        """Send a message of a plugin's kind (e.g. ``fault_fired``) to the controller."""
+        self.channel.send(CONTROLLER, header, body)
 
     # -- IO thread -------------------------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
-        kind = header["kind"]
-        if kind == "call":
-            runner = self.actors.get(header["actor"])
-            if runner is None:
-                self.reply(header, False, _error_info(LookupError(f"no actor {header['actor']!r} on proc {self.identity}")))
-            else:
-                runner.mailbox.put((header, body, buffers))
-        elif kind == "reply":
-            self.messenger.on_reply(header, body, buffers)
-        elif kind == "spawn":
-            name = header["actor"]
-            if name in self.actors:
-                self.reply(header, False, _error_info(ValueError(f"an actor named {name!r} already lives on {self.identity}")))
-                return
-            runner = self.actors[name] = ActorRunner(self, name)
+        handler = self._handlers.get(header["kind"])
+        if handler is None:
+            log.warning("unknown message kind %r from %s", header["kind"], header["src"])
+            return
+        handler(header, body, buffers)
+
+    def _on_call(self, header: dict, body: Any, buffers: list) -> None:
+        runner = self.actors.get(header["actor"])
+        if runner is None:
+            self.reply(header, False, _error_info(LookupError(f"no actor {header['actor']!r} on proc {self.identity}")))
+        else:
             runner.mailbox.put((header, body, buffers))
-        elif kind == "proc_failed":
-            from ..errors import SupervisionError
 
-            info = json.loads(bytes(body)) if body else {}
-            self.messenger.proc_failed(header["proc"], SupervisionError(info.get("rank", -1), info.get("cause", "failed"), info.get("detail", ""), info.get("signal")))
-        elif kind == "proc_recovered":
-            self.messenger.proc_recovered(header["proc"])
-        elif kind == "fault":
-            self.faults.apply(header["fault"], header.get("params", {}))
-        elif kind == "interrupt":
-            runner = self.actors.get(header.get("actor", ""))
-            if runner is not None:
-                runner.interrupt()
-        elif kind == "debug":
-            self.debug.on_message(header, body, buffers)
-        elif kind == "stop":
-            self.stop()
+    def _on_spawn(self, header: dict, body: Any, buffers: list) -> None:
+        name = header["actor"]
+        if name in self.actors:
+            self.reply(header, False, _error_info(ValueError(f"an actor named {name!r} already lives on {self.identity}")))
+            return
+        runner = self.actors[name] = ActorRunner(self, name)
+        runner.mailbox.put((header, body, buffers))
 
-    def _heartbeat(self) -> None:
+    def _on_proc_failed(self, header: dict, body: Any, buffers: list) -> None:
+        info = json.loads(bytes(body)) if body else {}
+        error = SupervisionError(info.get("rank", -1), info.get("cause", "failed"), info.get("detail", ""), info.get("signal"))
+        self.messenger.proc_failed(header["proc"], error)
+
+    def _on_interrupt(self, header: dict, body: Any, buffers: list) -> None:
+        runner = self.actors.get(header.get("actor", ""))
+        if runner is not None:
+            runner.interrupt()
+
+    def heartbeat(self) -> None:
+        """Send a heartbeat now (any thread): what runs, plus the plugins' fields."""
         now = time.monotonic()
         busy = {name: [r.current[0], round(now - r.current[1], 3)] for name, r in list(self.actors.items()) if r.current}
-        hb = {"kind": "hb", "busy": busy}
-        paused = self.debug.paused()  # breakpoint sessions: paused, not hung
-        if paused:
-            hb["paused"] = paused
+        hb: dict = {"kind": Kind.HEARTBEAT, "busy": busy}
+        for fields in self._heartbeat_fields:
+            hb.update(fields())
         loading = import_grace.loading()  # a heavy import may hold the GIL for seconds: not a hang
         if loading:
             hb["loading"] = loading
-        self.channel.send("ctrl", hb)
+        self.channel.send(CONTROLLER, hb)
 
     # -- any thread ------------------------------------------------------------------------------
     def reply(self, header: dict, ok: bool, value: Any) -> None:
@@ -291,12 +277,18 @@ class Proc:
         except SerializationError as exc:
             ok, (body, buffers) = False, dumps(_error_info(exc, f"the result of {header.get('ep')} cannot be pickled"))
         self.channel.send(
-            header["reply_to"], {"kind": "reply", "cid": header["cid"], "idx": header["idx"], "ok": ok}, body, buffers
+            header["reply_to"], {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok}, body, buffers
         )
 
-    def report_actor_error(self, actor: str, endpoint: str, info: dict) -> None:
+    def endpoint_failed(self, actor: str, endpoint: str, exc: BaseException, info: dict) -> None:
+        """An endpoint of ``actor`` raised ``exc`` (actor thread): tell the hooks and the controller."""
+        for hook in self._failure_hooks:
+            try:
+                hook(actor, endpoint, exc)
+            except Exception:
+                log.exception("failure hook %r raised", hook)
         detail = f"{actor}.{endpoint}: {info.get('type')}: {info.get('message')}"
-        self.channel.send("ctrl", {"kind": "actor_error", "actor": actor, "ep": endpoint, "detail": detail})
+        self.channel.send(CONTROLLER, {"kind": Kind.ACTOR_ERROR, "actor": actor, "ep": endpoint, "detail": detail})
 
     def stop(self) -> None:
         if self._stopping:
@@ -314,10 +306,50 @@ class Proc:
         self.channel.close()
         os._exit(0)
 
-    def main(self) -> None:
-        self.channel.connect(self.controller_address)
-        self.channel.every(self.heartbeat_interval_s, self._heartbeat)
-        self.channel.send("ctrl", {"kind": "hello", "pid": os.getpid()})
+    # -- the actor API's backend, inside a worker ------------------------------------------------
+    def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
+             extent: Extent | None, want_reply: bool = True) -> Future | None:
+        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply)
+
+    def failure_of(self, proc: str) -> SupervisionError | None:
+        return self.messenger.failure_of(proc)
+
+    def mesh_stopped(self, mesh: str) -> bool:
+        return False
+
+    def _controller_only(self, what: str) -> Any:
+        raise RuntimeError(f"{what} from inside a worker is not supported; do it from the controller")
+
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None) -> str:
+        return self._controller_only("spawning procs")
+
+    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
+        self._controller_only("spawning actors")
+
+    def stop_procs(self, mesh: str) -> None:
+        self._controller_only("stopping procs")
+
+    def restart_proc(self, mesh: str, rank: int, timeout_s: float) -> None:
+        self._controller_only("restarting procs")
+
+    def supervise(self, mesh: str, policy: Any) -> Any:
+        return self._controller_only("supervising meshes")
+
+    def tree(self, mesh: str | None, ranks: Any) -> dict:
+        return self._controller_only("reading the supervision tree")
+
+    def inject(self, mesh: str, rank: int, kind: str, params: dict) -> Any:
+        return self._controller_only("injecting faults")
+
+    def interrupt(self, mesh: str, rank: int, actor: str) -> None:
+        self._controller_only("interrupting actors")
+
+    # -- main --------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Connect, say hello and run the IO loop until stopped."""
+        self.channel.connect(self.env.controller)
+        self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
+        self.channel.send(CONTROLLER, {"kind": Kind.HELLO, "pid": os.getpid()})
         self.channel.run_forever()
 
 
@@ -336,21 +368,17 @@ def current() -> "Proc | None":
     return _current
 
 
-def main() -> None:
-    identity = sys.argv[1]
-    die_with_parent(int(os.environ["MONARCH_NB_AGENT_PID"]))
-    sys.path[:0] = [p for p in json.loads(os.environ.get("MONARCH_NB_SYS_PATH", "[]")) if p not in sys.path]
+def main(identity: str, plugins: Sequence[Plugin] = ()) -> None:
+    """Run this process as proc ``identity``, with ``plugins`` installed before it serves."""
+    env = ProcEnv.from_env(os.environ)
+    die_with_parent(env.agent_pid)
+    sys.path[:0] = [p for p in env.sys_path if p not in sys.path]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("monarch_nb").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are delivered per actor thread, not by SIGINT
     global _current
-    proc = _current = Proc(identity)
-    import_grace.install(proc._heartbeat)
-    proc.main()
-
-
-if __name__ == "__main__":
-    # run as `python -m`, this module is __main__; alias it so `import monarch_nb.runtime.proc`
-    # elsewhere in the worker (faults.take_nan, current()) finds this very module, not a second copy
-    sys.modules.setdefault("monarch_nb.runtime.proc", sys.modules[__name__])
-    main()
+    proc = _current = Proc(identity, env)
+    for install in plugins:
+        install(proc)
+    import_grace.install(proc.heartbeat)
+    proc.serve()

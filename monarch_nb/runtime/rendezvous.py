@@ -1,29 +1,89 @@
-"""The controller-side torch.distributed rendezvous store, listening on 127.0.0.1 only.
+"""The controller-side torch.distributed rendezvous stores, listening on 127.0.0.1 only.
 
 TCPStore binds every interface by itself; handed a socket already bound to loopback
-(``master_listen_fd``) it serves only this host. It lives in the controller, never in a worker,
-so no rank's death takes it down.
+(``master_listen_fd``) it serves only this host. Stores live in the controller, never in a
+worker, so no rank's death takes one down.
+
+- :func:`loopback_store`: a store now (imports torch).
+- :class:`LazyStore`: a listening socket now, the store on first use. Every proc mesh gets one,
+  named in its procs' ``MASTER_ADDR`` / ``MASTER_PORT``, so torchrun-style code
+  (``dist.init_process_group("gloo")`` with the ``env://`` rendezvous) runs unchanged without the
+  controller importing torch for meshes that never use it: a connection waits in the socket's
+  backlog until the controller's IO loop sees it and starts the TCPStore server on that socket.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["loopback_store"]
+__all__ = ["loopback_store", "LazyStore"]
+
+log = logging.getLogger(__name__)
 
 
-def loopback_store(world_size: int | None = None, timeout_s: float = 300.0) -> Any:
-    """A master ``torch.distributed.TCPStore`` on 127.0.0.1 and a free port (``store.port``)."""
-    import torch.distributed as dist
-
+def _listen() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
+    return sock
+
+
+def _store_on(sock: socket.socket, world_size: int | None, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
     store = dist.TCPStore(
         "127.0.0.1", sock.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
     )
     sock.detach()  # the store owns (and closes) the listening socket now
     return store
+
+
+def loopback_store(world_size: int | None = None, timeout_s: float = 300.0) -> Any:
+    """A master ``torch.distributed.TCPStore`` on 127.0.0.1 and a free port (``store.port``)."""
+    return _store_on(_listen(), world_size, timeout_s)
+
+
+class LazyStore:
+    """A port on 127.0.0.1 whose TCPStore server starts when the first client connects.
+
+    Call :meth:`start` from the listening socket's first readable event (the controller's IO
+    loop watches :attr:`fd`); the server is built on a thread of its own (importing torch can
+    take seconds), and the waiting client is served once it is up.
+    """
+
+    def __init__(self, timeout_s: float = 1800.0):
+        self._sock: socket.socket | None = _listen()
+        self.port: int = self._sock.getsockname()[1]
+        self.fd: int = self._sock.fileno()
+        self._timeout_s = timeout_s
+        self._store: Any = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the TCPStore server on the socket (once; returns at once)."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is None:
+            return
+
+        def serve() -> None:
+            try:
+                self._store = _store_on(sock, None, self._timeout_s)
+            except Exception:
+                log.exception("the rendezvous store on 127.0.0.1:%d could not start", self.port)
+                sock.close()
+
+        threading.Thread(target=serve, name=f"monarch_nb-store-{self.port}", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop listening (the store, if started, is freed with this object)."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        self._store = None

@@ -1,5 +1,8 @@
 """Supervision policies: who handles a proc's failure, and how (``__supervise__``, restart, isolate).
 
+This module is the decision (:func:`decide`); the runtime's supervisor thread
+(:mod:`monarch_nb.runtime.supervisor`) carries it out and records the events.
+
 A proc mesh is supervised by its owner, the controller-side code that spawned it. When one of its
 procs fails (it exited, was killed, or was reported hung), the controller
 
@@ -39,18 +42,12 @@ Example::
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import SupervisionError
 
-if TYPE_CHECKING:
-    from ..runtime.controller import Controller, ProcRecord
-
-__all__ = ["Failure", "SupervisionPolicy", "Supervisor", "POLICIES"]
+__all__ = ["Failure", "SupervisionPolicy", "Decision", "decide", "POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -139,93 +136,51 @@ class SupervisionPolicy:
         return min(self.backoff_max_s, self.backoff_s * (2 ** self.auto_restarts.get(rank, 0)))
 
 
-class Supervisor:
-    """The controller's supervisor thread: runs owners' handlers and policies off the IO thread.
+@dataclass(frozen=True)
+class Decision:
+    """What to do about one failure (see :func:`decide`).
 
-    The controller calls :meth:`on_failure` (any thread, never blocks); failures are handled one
-    at a time, in the order they happened.
+    Attributes:
+        action: ``"handled"`` (the owner handled it), ``"isolate"``, ``"restart"`` or ``"escalate"``.
+        detail: a human-readable line for the event the runtime records.
+        wait_s: with ``"restart"``, seconds to wait before restarting.
     """
 
-    def __init__(self, controller: "Controller"):
-        self.controller = controller
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="monarch_nb-supervisor", daemon=True)
-        self._thread.start()
+    action: str
+    detail: str
+    wait_s: float = 0.0
 
-    def on_failure(self, rec: "ProcRecord", cause: str, detail: str, signame: str | None) -> None:
-        """Queue the first failure of ``rec``'s current incarnation; later ones (e.g. the exit of a
-        proc already reported hung) are the same failure and are ignored here."""
-        if rec.failure is not None:
-            return
-        rec.failure = Failure(rec.mesh, rec.rank, dict(rec.coords), rec.pid, cause, signame, detail, time.time(), rec.restarts)
-        self._queue.put((rec, rec.failure))
 
-    def close(self) -> None:
-        self._queue.put(None)
+def decide(policy: SupervisionPolicy, failure: Failure) -> Decision:
+    """Ask the owner, then apply ``policy`` to ``failure`` (see the module docstring).
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            rec, failure = item
-            try:
-                self._handle(rec, failure)
-            except Exception:
-                log.exception("supervising %s failed", rec.identity)
-
-    def _current(self, rec: "ProcRecord", failure: Failure) -> bool:
-        """The failure still stands: nobody restarted the proc meanwhile, its mesh runs."""
-        mesh = self.controller.meshes.get(rec.mesh)
-        return rec.failure is failure and mesh is not None and not mesh.stopped and rec.state in ("failed", "hung")
-
-    def _handle(self, rec: "ProcRecord", failure: Failure) -> None:
-        ctrl = self.controller
-        mesh = ctrl.meshes.get(rec.mesh)
-        if mesh is None or mesh.stopped:
-            return
-        policy: SupervisionPolicy = mesh.supervision
-        handler = policy.handler()
-        if handler is not None:
-            try:
-                handled = handler(failure) is True
-            except Exception as exc:
-                log.exception("%r.__supervise__ raised; escalating", policy.owner)
-                handled, why = False, f"__supervise__ raised {type(exc).__name__}: {exc}"
-            else:
-                why = "__supervise__ returned False"
-            if handled:
-                ctrl._event("supervised", rec, detail=f"handled by {_name(policy.owner)}", cause=failure.cause)
-                return
+    The owner's ``__supervise__`` runs here, on the caller's thread (the runtime's supervisor
+    thread); an owner that raises counts as not handled. A ``"restart"`` decision counts against
+    ``max_restarts`` of the failed rank.
+    """
+    handler = policy.handler()
+    if handler is not None:
+        try:
+            handled = handler(failure) is True
+        except Exception as exc:
+            log.exception("%r.__supervise__ raised; escalating", policy.owner)
+            handled, why = False, f"__supervise__ raised {type(exc).__name__}: {exc}"
         else:
-            why = "no owner handled it"
-        if policy.policy == "isolate":
-            ctrl._event("supervised", rec, detail=f"isolate policy: continuing without rank {rec.rank}", cause=failure.cause)
-            return
-        if policy.policy == "restart":
-            done = policy.auto_restarts.get(rec.rank, 0)
-            if done >= policy.max_restarts:
-                self._escalate(rec, failure, f"{why}; max_restarts={policy.max_restarts} reached")
-                return
-            wait_s = policy.backoff_for(rec.rank)
-            policy.auto_restarts[rec.rank] = done + 1
-            ctrl._event(
-                "supervised", rec, cause=failure.cause,
-                detail=f"restart policy: restart {done + 1}/{policy.max_restarts} in {wait_s:.2f} s",
-            )
-            time.sleep(wait_s)
-            if not self._current(rec, failure):
-                return
-            try:
-                ctrl.restart_proc(rec.identity)
-            except Exception as exc:
-                self._escalate(rec, failure, f"automatic restart failed: {exc}")
-            return
-        self._escalate(rec, failure, why)
-
-    def _escalate(self, rec: "ProcRecord", failure: Failure, why: str) -> None:
-        log.info("unhandled failure of rank %d of %s (%s): %s; %s", rec.rank, rec.mesh, failure.cause, failure.detail, why)
-        self.controller._event("escalated", rec, detail=f"{failure.detail} ({why})", cause=failure.cause)
+            why = "__supervise__ returned False"
+        if handled:
+            return Decision("handled", f"handled by {_name(policy.owner)}")
+    else:
+        why = "no owner handled it"
+    if policy.policy == "isolate":
+        return Decision("isolate", f"isolate policy: continuing without rank {failure.rank}")
+    if policy.policy == "restart":
+        done = policy.auto_restarts.get(failure.rank, 0)
+        if done >= policy.max_restarts:
+            return Decision("escalate", f"{failure.detail} ({why}; max_restarts={policy.max_restarts} reached)")
+        wait_s = policy.backoff_for(failure.rank)
+        policy.auto_restarts[failure.rank] = done + 1
+        return Decision("restart", f"restart policy: restart {done + 1}/{policy.max_restarts} in {wait_s:.2f} s", wait_s)
+    return Decision("escalate", f"{failure.detail} ({why})")
 
 
 def _name(owner: Any) -> str:

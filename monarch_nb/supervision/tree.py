@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
-if TYPE_CHECKING:
-    from ..runtime.controller import Controller
+from .records import ALIVE, HostRecord, ProcMeshRecord, ProcRecord, ProcState
 
 __all__ = ["snapshot", "walk", "find", "render", "NODE_STATES"]
 
-NODE_STATES = ("starting", "healthy", "busy", "hung", "failed", "restarting", "stopping", "stopped")
-_ALIVE = ("starting", "healthy", "busy", "hung", "restarting", "stopping")
+#: Every state a node can be in.
+NODE_STATES = tuple(ProcState)
 
 
 def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> dict:
@@ -53,11 +52,24 @@ def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> dict:
     return node
 
 
-def snapshot(controller: "Controller", mesh: str | None = None, ranks: set[int] | None = None) -> dict:
+def snapshot(
+    hosts: Iterable[HostRecord],
+    meshes: Mapping[str, ProcMeshRecord],
+    procs: Mapping[str, ProcRecord],
+    *,
+    closed: bool = False,
+    started_at: float | None = None,
+    mesh: str | None = None,
+    ranks: set[int] | None = None,
+) -> dict:
     """The supervision tree now, as plain data (see the module docstring for the keys).
 
     Args:
-        controller: the controller to read.
+        hosts: the host agents' records.
+        meshes: proc mesh name -> record.
+        procs: proc identity -> record.
+        closed: the controller was shut down (the root is then "stopped").
+        started_at: ``time.monotonic()`` when the controller started (for its uptime).
         mesh: only this proc mesh's procs (all meshes if None).
         ranks: only these flat ranks of ``mesh`` (all if None).
 
@@ -66,55 +78,52 @@ def snapshot(controller: "Controller", mesh: str | None = None, ranks: set[int] 
     """
     now = time.monotonic()
     root = _node(
-        "controller", "controller", "stopped" if controller._closed else "healthy", os.getpid(),
-        uptime_s=round(now - getattr(controller, "started_at", now), 3),
+        "controller", "controller", ProcState.STOPPED if closed else ProcState.HEALTHY, os.getpid(),
+        uptime_s=round(now - (started_at if started_at is not None else now), 3),
     )
-    hosts: dict[str, dict] = {}
-    for agent in list(controller.agents.values()):
-        running = agent.popen is not None and agent.popen.poll() is None
-        state = ("healthy" if agent.ready.is_set() else "starting") if running else ("stopped" if controller._closed else "failed")
-        started = getattr(agent, "started_at", None)
-        hosts[agent.name] = _node(
-            "host", agent.name, state, agent.pid or (agent.popen.pid if agent.popen else 0),
-            uptime_s=round(now - started, 3) if running and started else None,
+    host_nodes: dict[str, dict] = {}
+    for host in list(hosts):
+        running = host.state in (ProcState.STARTING, ProcState.HEALTHY)
+        host_nodes[host.name] = _node(
+            "host", host.name, host.state, host.pid, uptime_s=round(now - host.started_at, 3) if running else None,
         )
-        root["children"].append(hosts[agent.name])
-    for name, record in list(controller.meshes.items()):
+        root["children"].append(host_nodes[host.name])
+    for name, record in list(meshes.items()):
         if mesh is not None and name != mesh:
             continue
         spawns = list(record.actors)
         for rank, identity in enumerate(record.procs):
             if ranks is not None and rank not in ranks:
                 continue
-            rec = controller.procs.get(identity)
+            rec = procs.get(identity)
             if rec is None:
                 continue
             proc = _proc_node(rec, spawns, now)
-            host = hosts.get(rec.host)
+            host = host_nodes.get(rec.host)
             if host is None:
-                host = hosts[rec.host] = _node("host", rec.host, "failed", 0)
+                host = host_nodes[rec.host] = _node("host", rec.host, ProcState.FAILED, 0)
                 root["children"].append(host)
             host["children"].append(proc)
     return root
 
 
-def _proc_node(rec: Any, spawns: list, now: float) -> dict:
-    alive = rec.state in _ALIVE
+def _proc_node(rec: ProcRecord, spawns: list, now: float) -> dict:
+    alive = rec.alive
     age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
-    started = getattr(rec, "started_at", 0.0)
+    started = rec.started_at
     detail: dict = {}
     if rec.exit_info:
         detail["exit"] = dict(rec.exit_info)
     if rec.fenced:
         detail["fenced"] = True
-    if getattr(rec, "paused", None):  # stopped at breakpoint() by a user: not hung
+    if rec.paused:  # stopped at breakpoint() by a user: not hung
         detail["paused"] = list(rec.paused)
-    paused_actors = {p.get("actor") for p in getattr(rec, "paused", None) or []}
-    proc_state = "paused" if paused_actors and rec.state in ("healthy", "busy") else rec.state
+    paused_actors = {p.get("actor") for p in rec.paused}
+    proc_state = ProcState.PAUSED if paused_actors and rec.serving else rec.state
     proc = _node(
         "proc", rec.identity, proc_state, rec.pid, mesh=rec.mesh, rank=rec.rank, coords=dict(rec.coords),
         restarts=rec.restarts, heartbeat_age_s=age,
-        uptime_s=round(now - started, 3) if alive and started and rec.state != "restarting" else None, detail=detail,
+        uptime_s=round(now - started, 3) if alive and started and rec.state != ProcState.RESTARTING else None, detail=detail,
     )
     busy = dict(rec.busy) if alive else {}
     since_hb = (now - rec.last_heartbeat) if rec.last_heartbeat else 0.0
@@ -122,8 +131,8 @@ def _proc_node(rec: Any, spawns: list, now: float) -> dict:
         if rec.rank not in spawn.ranks:
             continue
         current = busy.get(spawn.name)
-        if rec.state in ("healthy", "busy"):
-            state = "paused" if spawn.name in paused_actors else ("busy" if current else "healthy")
+        if rec.serving:
+            state = ProcState.PAUSED if spawn.name in paused_actors else (ProcState.BUSY if current else ProcState.HEALTHY)
         else:
             state = rec.state
         endpoint, running = (current[0], round(current[1] + since_hb, 3)) if current else (None, None)
@@ -159,7 +168,7 @@ def render(tree: dict) -> str:
             facts.append(f"rank {node['rank']} {node['coords']}")
         if node["kind"] == "proc" and node["restarts"]:
             facts.append(f"restarts {node['restarts']}")
-        if node["kind"] == "proc" and node["heartbeat_age_s"] is not None and node["state"] in _ALIVE:
+        if node["kind"] == "proc" and node["heartbeat_age_s"] is not None and node["state"] in ALIVE:
             facts.append(f"hb {node['heartbeat_age_s']:.2f}s ago")
         if node["endpoint"]:
             facts.append(f"in {node['endpoint']} for {node['endpoint_running_s']:.2f}s")

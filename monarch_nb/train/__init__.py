@@ -8,7 +8,10 @@
 
 See :mod:`monarch_nb.train.loop` for how failures are handled, :mod:`.trainer` for the actor,
 :mod:`.data` for the sample order and ledger, :mod:`.workloads` for what can be trained.
-Names load lazily, so importing this package does not import torch.
+Names load lazily, so importing this package does not import torch. ``trainer`` (the Trainer
+actor) runs inside each proc; the rest runs on the controller.
+
+May import: the core, ``runtime`` and ``faults``; ``hip_ext`` (outside this package) for kernels.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ _EXPORTS = {
     "TrainingError": "monarch_nb.train.loop",
     "Workload": "monarch_nb.train.workloads",
     "get_workload": "monarch_nb.train.workloads",
-    "FaultSpec": "monarch_nb.train.faultspec",
-    "parse_fault": "monarch_nb.train.faultspec",
+    "FaultSpec": "monarch_nb.faults.spec",
+    "parse_fault": "monarch_nb.faults.spec",
     "SampleOrder": "monarch_nb.train.data",
     "SampleLedger": "monarch_nb.train.data",
     "Trainer": "monarch_nb.train.trainer",
@@ -37,7 +40,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .data import SampleLedger, SampleOrder
-    from .faultspec import FaultSpec, parse_fault
+    from ..faults.spec import FaultSpec, parse_fault
     from .loop import TrainingError, TrainingRun, fit, start
     from .report import FailureRecord, TrainReport
     from .trainer import Trainer

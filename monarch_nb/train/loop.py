@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ActorError, MeshStoppedError, SupervisionError
+from ..supervision.records import ProcState
 from .data import SampleLedger, SampleOrder
-from .faultspec import FaultSpec, check_faults, parse_fault
+from ..faults.spec import FaultSpec, check_faults, parse_fault
 from .report import FailureRecord, TrainReport
 from .workloads import Workload, get_workload
 
@@ -475,7 +476,7 @@ class TrainingRun:
 
         rec = Controller.get().proc_record(self._procs.name, rank)
         deadline = time.monotonic() + timeout_s
-        while rec.state == "hung" and time.monotonic() < deadline:
+        while rec.state == ProcState.HUNG and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def _restart(self, rank: int) -> None:
@@ -809,7 +810,7 @@ def fit(
             (e.g. ``Workload.custom(model_fn, (x, y), torch.nn.functional.cross_entropy)``).
         procs: number of worker processes (data-parallel ranks).
         steps: optimizer steps to commit.
-        faults: fault specs (``"kill@120:rank=2"``, see :mod:`monarch_nb.train.faultspec`).
+        faults: fault specs (``"kill@120:rank=2"``, see :mod:`monarch_nb.faults.spec`).
         seed: seeds the model init, the data order and the chaos schedule.
         progress: show a tqdm progress bar on stderr.
         **options: ``lr``, ``batch_size`` (global, samples per step), ``text`` (charlm file),

@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
-from ..faults.inject import take_nan
+from ..faults.worker import take_nan
 from .data import SampleOrder
 from .workloads import Workload
 

@@ -29,18 +29,13 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import shm
-from .wire import BadMessage, ReplayGuard, Signer, decode, encode
+from .wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
 log = logging.getLogger(__name__)
 
 MessageHandler = Callable[[dict, Any, list, list], None]
-
-
-def route_id(identity: str) -> str:
-    """The ZeroMQ routing identity of ``identity`` (its part before any ``#incarnation``)."""
-    return identity.split("#", 1)[0]
 
 
 class Channel:

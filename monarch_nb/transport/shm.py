@@ -18,8 +18,9 @@ import itertools
 import mmap
 import os
 import re
+import time
 
-__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "available", "export_buffer", "import_buffer", "remove_orphans"]
+__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "available", "export_buffer", "import_buffer", "remove_orphans", "sweep_stale"]
 
 SHM_DIR = "/dev/shm"
 #: Buffers at least this large go through shared memory when sender and receiver share a host.
@@ -75,6 +76,26 @@ def remove_orphans(run_id: str, pid: int | None = None) -> int:
     removed = 0
     for path in glob.glob(os.path.join(SHM_DIR, pattern)):
         try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def sweep_stale(max_age_s: float = 60.0) -> int:
+    """Remove files whose writer process is gone and that are older than ``max_age_s`` seconds
+    (left by a run that was killed before it could clean up); return how many."""
+    removed = 0
+    now = time.time()
+    for path in glob.glob(os.path.join(SHM_DIR, "monarch_nb-*")):
+        name = os.path.basename(path)
+        if not _NAME.match(name):
+            continue
+        writer = int(name.rsplit("-", 2)[1])
+        try:
+            if os.path.exists(f"/proc/{writer}") or now - os.stat(path).st_mtime < max_age_s:
+                continue
             os.unlink(path)
             removed += 1
         except FileNotFoundError:

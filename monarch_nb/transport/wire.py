@@ -32,10 +32,15 @@ import hmac
 import json
 from typing import Any, Sequence
 
-__all__ = ["BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX"]
+__all__ = ["route_id", "BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX"]
 
 MAGIC = b"MNB1"
 _DIGEST = hashlib.sha256
+
+
+def route_id(identity: str) -> str:
+    """The routing identity of ``identity``: its part before any ``#incarnation`` (``"pm0.3#4211"``)."""
+    return identity.split("#", 1)[0]
 
 
 class BadMessage(ValueError):
@@ -50,6 +55,11 @@ class Signer:
             raise ValueError("cluster key must be at least 16 bytes; use secrets.token_bytes(32)")
         self._key = key
         self.sign_buffers = sign_buffers
+
+    @property
+    def key(self) -> bytes:
+        """The cluster key (to hand to processes of the same cluster)."""
+        return self._key
 
     def signature(self, header: bytes, body: bytes | memoryview, buffers: Sequence[Any] = ()) -> bytes:
         mac = hmac.new(self._key, MAGIC, _DIGEST)

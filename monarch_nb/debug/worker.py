@@ -1,6 +1,6 @@
-"""Worker side: the debugger of one proc, answering the controller's ``debug`` messages.
+"""Worker side of the debugger: one proc's failures, pdb sessions and stacks. Runs in each proc.
 
-One :class:`DebugAgent` per proc (made by :class:`monarch_nb.runtime.proc.Proc`). It owns the
+Installed into every proc as a plugin (:func:`install`): one :class:`DebugAgent` per proc. It owns the
 store of recent failures, the pdb sessions of the proc, ``breakpoint()`` (``sys.breakpointhook``
 and ``pdb.set_trace`` are pointed at it) and the SIGUSR1 stack dump. Requests arrive on the
 proc's IO thread (:meth:`on_message`) and never block it: pdb runs on the actor's thread
@@ -34,6 +34,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..runtime.protocol import Kind
 from ..transport.serialization import loads
 from . import stacks
 from .postmortem import FailureStore, frame_dict
@@ -42,7 +43,7 @@ from .remote_pdb import Session
 if TYPE_CHECKING:
     from ..runtime.proc import Proc
 
-__all__ = ["DebugAgent", "current", "record_failure"]
+__all__ = ["DebugAgent", "install", "current", "record_failure", "frame_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,6 @@ class DebugAgent:
     """
 
     def __init__(self, proc: "Proc", notify: Callable[[], None]):
-        global _current
         self.proc = proc
         self.notify = notify
         self.failures = FailureStore()
@@ -86,7 +86,6 @@ class DebugAgent:
         self.stack_fd = stacks.install_faulthandler()
         sys.breakpointhook = self.breakpoint_hook
         pdb.set_trace = self._set_trace  # type: ignore[assignment]
-        _current = self
 
     # -- hooks called by the runtime and by user code --------------------------------------------
     def record_failure(self, actor: str, endpoint: str, exc: BaseException) -> None:
@@ -303,3 +302,35 @@ def describe_device() -> str:
         f"{info['kind']} {info.get('name')}: {info.get('memory_allocated_bytes', 0) / gib:.2f} GiB allocated, "
         f"{info.get('memory_reserved_bytes', 0) / gib:.2f} GiB reserved (torch {info.get('torch')})"
     )
+
+
+def install(proc: "Proc") -> None:
+    """Give ``proc`` a debugger (a worker plugin): debug requests, paused sessions in heartbeats,
+    failures kept for post-mortem."""
+    global _current
+    agent = _current = DebugAgent(proc, notify=proc.heartbeat)
+    proc.register(Kind.DEBUG, agent.on_message)
+    proc.add_failure_hook(agent.record_failure)
+
+    def paused() -> dict:
+        sessions = agent.paused()  # breakpoint sessions: paused, not hung
+        return {"paused": sessions} if sessions else {}
+
+    proc.add_heartbeat_field(paused)
+
+
+def frame_namespace() -> dict:
+    """On a worker (``%%mesh --ranks 3 --frame``): the namespace to run a cell in.
+
+    The namespace is the debugged frame's globals overlaid with its locals: the frame selected in
+    an open pdb session on this proc (a paused ``breakpoint()`` first; ``up`` / ``down`` in a
+    post-mortem session move it), else the innermost frame of the proc's newest failure. Names a
+    cell defines stay there for the next ``--frame`` cell on the same frame.
+
+    Raises:
+        LookupError: this rank has no failure and no paused breakpoint.
+        RuntimeError: called outside a worker proc.
+    """
+    if _current is None:
+        raise RuntimeError("frame_namespace runs on a worker proc (through %%mesh --frame), not on the controller")
+    return _current.frame_namespace()

@@ -229,10 +229,10 @@ class CellExecutor(Actor):
     def _namespace(self, options: dict) -> dict:
         if options.get("frame"):
             try:
-                from ..debug.magic import frame_namespace
+                from ..debug.worker import frame_namespace
             except ImportError as exc:
                 raise RuntimeError("--frame needs the debugger (monarch_nb.debug.magic), which is not available") from exc
-            return frame_namespace(self.rank)
+            return frame_namespace()
         return self.namespace
 
     def _run_user(self, source: str, filename: str, options: dict) -> dict:
@@ -260,7 +260,7 @@ class CellExecutor(Actor):
         except BaseException as exc:  # KeyboardInterrupt and SystemExit in a cell are the cell's
             interrupted = isinstance(exc, KeyboardInterrupt) and self._interrupted
             if not interrupted:  # keep its frames for %mesh debug RANK and %%mesh --frame
-                from ..debug.agent import record_failure
+                from ..debug.worker import record_failure
 
                 record_failure(exc, "_mesh_cells", "run_cell")
             error = self._error(exc, filename, interrupted=interrupted)

@@ -1,9 +1,10 @@
-"""Fault specs for training runs: ``KIND@STEP:rank=R[,param=value...]``, parsed with clear errors.
+"""Fault specs: ``KIND@STEP:rank=R[,param=value...]``, one grammar for the CLI, the magics and training.
 
 Examples: ``kill@120:rank=2``, ``hang@200:rank=1``, ``exit@50:rank=0,code=3``,
 ``slow@10:rank=1,ms=50``, ``kill@40:rank=1,phase=collective`` (the rank SIGKILLs itself in the
-middle of step 40's gradient all-reduce, while its peers are inside the collective). The kinds
-and their parameters are those of :mod:`monarch_nb.faults.inject`.
+middle of step 40's gradient all-reduce, while its peers are inside the collective). The short
+form ``kill@50:2`` means rank 2; with ``default_rank``, ``nan@80`` means that rank. The kinds and
+their parameters are those of :data:`monarch_nb.runtime.protocol.FAULT_KINDS`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..faults.inject import FAULT_KINDS, validate
+from ..runtime.protocol import FAULT_KINDS, validate_fault
 
 __all__ = ["FaultSpec", "parse_fault", "check_faults"]
 
@@ -24,7 +25,7 @@ class FaultSpec:
     """A fault to inject into ``rank`` just before step ``step`` (``phase="collective"``: inside it).
 
     Attributes:
-        kind: a fault kind of :data:`~monarch_nb.faults.inject.FAULT_KINDS`.
+        kind: a fault kind of :data:`~monarch_nb.runtime.protocol.FAULT_KINDS`.
         step: the global step (int >= 0).
         rank: the flat proc rank (int >= 0).
         params: the kind's parameters, defaults filled in.
@@ -38,7 +39,7 @@ class FaultSpec:
     phase: str = "step"
 
     def __str__(self) -> str:
-        extra = "".join(f",{k}={v}" for k, v in self.params.items() if FAULT_KINDS[self.kind].get(k) != v)
+        extra = "".join(f",{k}={v}" for k, v in self.params.items() if FAULT_KINDS[self.kind].params.get(k) != v)
         phase = ",phase=collective" if self.phase == "collective" else ""
         return f"{self.kind}@{self.step}:rank={self.rank}{extra}{phase}"
 
@@ -50,8 +51,9 @@ def _number(text: str):
         return float(text)
 
 
-def parse_fault(spec: "str | FaultSpec | dict") -> FaultSpec:
-    """Parse ``"kill@120:rank=2"`` (or pass a FaultSpec / dict with kind, step, rank, params).
+def parse_fault(spec: "str | FaultSpec | dict", default_rank: int | None = None) -> FaultSpec:
+    """Parse ``"kill@120:rank=2"`` or ``"kill@120:2"`` (or pass a FaultSpec / dict with kind,
+    step, rank, params). ``default_rank``: the rank of a spec that names none (else it is an error).
 
     Raises:
         ValueError: a malformed spec, unknown kind or parameter, missing or negative rank or step;
@@ -69,7 +71,7 @@ def parse_fault(spec: "str | FaultSpec | dict") -> FaultSpec:
         if phase != "step":
             text += f",phase={phase}"
         return parse_fault(text)
-    form = "KIND@STEP:rank=R[,param=value...], e.g. kill@120:rank=2 or slow@10:rank=1,ms=50"
+    form = "KIND@STEP:rank=R[,param=value...] or KIND@STEP:R, e.g. kill@120:rank=2, kill@120:2 or slow@10:rank=1,ms=50"
     match = _SPEC.match(str(spec))
     if not match:
         raise ValueError(f"bad fault spec {spec!r}: expected {form}")
@@ -85,7 +87,10 @@ def parse_fault(spec: "str | FaultSpec | dict") -> FaultSpec:
     params: dict = {}
     rank = None
     phase = "step"
-    for item in filter(None, (p.strip() for p in (match["params"] or "").split(","))):
+    items = [p.strip() for p in (match["params"] or "").split(",") if p.strip()]
+    if items and items[0].isdigit():  # the short form KIND@STEP:R
+        items[0] = f"rank={items[0]}"
+    for item in items:
         if "=" not in item:
             raise ValueError(f"bad fault spec {spec!r}: {item!r} is not name=value; expected {form}")
         name, value = (s.strip() for s in item.split("=", 1))
@@ -104,13 +109,15 @@ def parse_fault(spec: "str | FaultSpec | dict") -> FaultSpec:
             except ValueError:
                 raise ValueError(f"bad fault spec {spec!r}: {name}={value!r} is not a number") from None
     if rank is None:
+        rank = default_rank
+    if rank is None:
         raise ValueError(f"bad fault spec {spec!r}: it needs rank=R; expected {form}")
     if rank < 0:
         raise ValueError(f"bad fault spec {spec!r}: rank must be >= 0")
     if phase == "collective" and kind != "kill":
         raise ValueError(f"bad fault spec {spec!r}: phase=collective is only for kill")
     try:
-        params = validate(kind, params)
+        params = validate_fault(kind, params)
     except ValueError as exc:
         raise ValueError(f"bad fault spec {spec!r}: {exc}") from None
     return FaultSpec(kind, step, rank, params, phase)

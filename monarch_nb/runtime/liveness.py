@@ -1,0 +1,151 @@
+"""Liveness on the controller: hellos, heartbeats and exits become proc states and events.
+
+:class:`Liveness` runs on the controller's IO thread. It learns of a proc's exit from its host
+agent (the agent is the parent: SIGCHLD, with the proc's last output drained first), of a hang
+from heartbeats missing for ``hang_timeout_s`` (``import_grace_s`` while the proc announces a heavy
+import), and of a debugger pause from the heartbeats' ``paused`` field. A failure fails the calls
+in flight to the proc, tells every other proc, and goes to the supervisor thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..config import config
+from ..errors import SupervisionError
+from ..supervision.records import ProcRecord, ProcState
+from .protocol import Kind
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+__all__ = ["Liveness"]
+
+log = logging.getLogger(__name__)
+
+
+class Liveness:
+    """Tracks the procs of ``controller``: their hellos, heartbeats, exits and hangs."""
+
+    def __init__(self, controller: "Controller"):
+        self.ctrl = controller
+
+    # -- messages (IO thread) -------------------------------------------------------------------
+    def on_hello(self, rec: ProcRecord, header: dict) -> None:
+        rec.pid = header["pid"]
+        rec.last_heartbeat = time.monotonic()
+        rec.exit_info = None
+        rec.fenced = False
+        rec.failure = None
+        rec.started_at = rec.last_heartbeat
+        restarting = rec.state == ProcState.RESTARTING
+        rec.state = ProcState.HEALTHY
+        if restarting:
+            self._respawn_actors(rec)
+        else:
+            self.ctrl.record_event("proc_started", rec, detail=f"pid {rec.pid}")
+            rec.ready.set()
+
+    def on_heartbeat(self, rec: ProcRecord, header: dict) -> None:
+        ctrl = self.ctrl
+        rec.last_heartbeat = time.monotonic()
+        rec.busy = header.get("busy", {})
+        rec.loading = header.get("loading", [])
+        paused = header.get("paused", [])
+        if bool(paused) != bool(rec.paused):  # a user is debugging it: paused, not hung
+            where = ", ".join(f"{p.get('actor')}.{p.get('function')}:{p.get('line')}" for p in paused)
+            ctrl.record_event("proc_paused" if paused else "proc_continued", rec, detail=where or "continued", cause="debugger")
+            if paused:  # a hint where the user looks: the rank's output, in the notebook
+                ctrl.emit_lines(rec, "stderr", [f"paused at breakpoint() in {where}: %mesh debug attaches"])
+        rec.paused = paused
+        if rec.serving:
+            rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY
+        elif rec.state == ProcState.HUNG and not rec.fenced:  # it was only slow (fencing off): serving again
+            rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY
+            rec.failure = None
+            self._tell_recovered(rec, include_starting=False)
+            ctrl.record_event("proc_resumed", rec, detail="heartbeats resumed", cause="heartbeat")
+
+    def on_exit(self, rec: ProcRecord, header: dict) -> None:
+        ctrl = self.ctrl
+        ctrl.flush_output(rec)
+        rec.exit_info = {"returncode": header["returncode"], "signal": header.get("signal")}
+        rec.busy = {}
+        rec.paused = []
+        if rec.state == ProcState.STOPPING:
+            rec.state = ProcState.STOPPED
+            ctrl.record_event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")
+            return
+        if rec.state == ProcState.RESTARTING and header.get("pid") == rec.restart_kill_pid:  # a restart killed it
+            ctrl.record_event("proc_stopped", rec, detail="killed to restart in place", cause="restart")
+            return
+        signame = header.get("signal")
+        if rec.fenced:
+            cause = "fenced"
+        elif signame:
+            cause = signame
+        else:
+            cause = f"exit {header['returncode']}"
+        detail = header.get("detail") or (f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
+        rec.state = ProcState.FAILED
+        ctrl.record_event("proc_exited", rec, detail=detail, cause=cause)
+        self.fail_proc(rec, cause, detail, signame)
+
+    # -- timer (IO thread) ----------------------------------------------------------------------
+    def check_heartbeats(self) -> None:
+        """Report procs silent past their allowance hung; fence them (SIGKILL) if configured."""
+        ctrl = self.ctrl
+        now = time.monotonic()
+        for rec in list(ctrl.procs.values()):
+            allowed_s = max(config.hang_timeout_s, config.import_grace_s) if rec.loading else config.hang_timeout_s
+            if rec.serving and now - rec.last_heartbeat > allowed_s:
+                rec.state = ProcState.HUNG
+                silent = now - rec.last_heartbeat
+                ctrl.record_event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
+                self.fail_proc(rec, "hung", f"no heartbeat for {silent:.2f} s", None)
+                if config.fence_hung:
+                    rec.fenced = True
+                    ctrl.signal_proc(rec.identity, "SIGKILL")
+                    ctrl.record_event("proc_fenced", rec, detail="SIGKILL after hang", cause="fencing")
+
+    # -- failure and recovery -------------------------------------------------------------------
+    def fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:
+        """Fail the calls in flight to ``rec``, tell the other procs, hand it to the supervisor."""
+        ctrl = self.ctrl
+        error = SupervisionError(rec.rank, cause, detail, signame)
+        ctrl.messenger.proc_failed(rec.identity, error)
+        note = json.dumps({"rank": rec.rank, "cause": cause, "detail": detail, "signal": signame}).encode()
+        for other in self._peers(rec, include_starting=False):
+            ctrl.channel.send(other.identity, {"kind": Kind.PROC_FAILED, "proc": rec.identity}, note)
+        ctrl.supervisor.on_failure(rec, cause, detail, signame)
+
+    def _peers(self, rec: ProcRecord, include_starting: bool) -> list[ProcRecord]:
+        return [other for other in list(self.ctrl.procs.values())
+                if other is not rec and other.alive and (include_starting or other.state != ProcState.STARTING)]
+
+    def _tell_recovered(self, rec: ProcRecord, include_starting: bool) -> None:
+        self.ctrl.messenger.proc_recovered(rec.identity)
+        for other in self._peers(rec, include_starting):
+            self.ctrl.channel.send(other.identity, {"kind": Kind.PROC_RECOVERED, "proc": rec.identity})
+
+    def _respawn_actors(self, rec: ProcRecord) -> None:
+        """A restarted proc said hello: construct its actors again, then it serves."""
+        ctrl = self.ctrl
+        futures = ctrl.respawn_actors(rec)
+
+        def finish() -> None:
+            failed = [e for e in (f.exception() for f in futures) if e is not None]
+            if failed:
+                rec.state = ProcState.FAILED
+                ctrl.record_event("proc_exited", rec, detail=f"actor respawn failed: {failed[0]}", cause="respawn")
+                rec.ready.set()
+                return
+            self._tell_recovered(rec, include_starting=True)
+            ctrl.record_event("proc_restarted", rec, detail=f"pid {rec.pid}, restart {rec.restarts}", cause="restart")
+            rec.ready.set()
+
+        threading.Thread(target=finish, name="respawn", daemon=True).start()

@@ -1,0 +1,340 @@
+"""The process contract: message kinds and their headers, the fault catalogue, the worker environment.
+
+Controller, host agents and procs agree on exactly what is here and nothing else:
+
+- :class:`Kind`: every message kind, an enum whose members are their wire strings (``Kind.CALL ==
+  "call"``), so a dispatch table keyed by ``Kind`` is indexed by the raw header field directly.
+  The ``*Header`` TypedDicts document each kind's header fields (beyond ``kind``, ``src``,
+  ``dst``, ``seq``, ``nbuf``, which :mod:`monarch_nb.transport.wire` adds to every message).
+- :data:`FAULT_KINDS` and :func:`validate_fault`: which faults exist, their parameters and
+  defaults, and which are delivered as a signal by the host agent (the rest act in the proc).
+- :class:`ProcEnv` / :class:`AgentEnv`: the environment a proc / host agent is started with,
+  written and read in one place, so every default lives once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Mapping, TypedDict
+
+__all__ = [
+    "Kind",
+    "CONTROLLER",
+    "FaultKind",
+    "FAULT_KINDS",
+    "validate_fault",
+    "ProcEnv",
+    "AgentEnv",
+]
+
+#: The controller's routing identity.
+CONTROLLER = "ctrl"
+
+
+class Kind(str, Enum):
+    """Message kinds. ``str`` members: ``Kind.CALL == "call"`` and ``{Kind.CALL: f}["call"] is f``."""
+
+    # controller or proc -> proc: actors
+    CALL = "call"  # run an endpoint (CallHeader)
+    SPAWN = "spawn"  # construct an actor (CallHeader, ep "__init__")
+    REPLY = "reply"  # the answer to a call or spawn (ReplyHeader), to the caller
+    # controller -> proc: control
+    STOP = "stop"  # exit cleanly (actors' __cleanup__ run)
+    INTERRUPT = "interrupt"  # interrupt the endpoint an actor runs (InterruptHeader)
+    PROC_FAILED = "proc_failed"  # a peer proc failed: fail calls to it (PeerHeader + JSON body)
+    PROC_RECOVERED = "proc_recovered"  # a peer proc serves again (PeerHeader)
+    FAULT = "fault"  # an in-proc fault to apply (FaultHeader); handled by the faults plugin
+    DEBUG = "debug"  # a debugger request (a call with a pickled body); handled by the debug plugin
+    # proc -> controller
+    HELLO = "hello"  # the proc is up (HelloHeader)
+    HEARTBEAT = "hb"  # alive, and what runs (HeartbeatHeader)
+    ACTOR_ERROR = "actor_error"  # an endpoint raised (ActorErrorHeader)
+    FAULT_FIRED = "fault_fired"  # an injected in-proc fault took effect (FaultFiredHeader)
+    # controller -> host agent
+    SPAWN_PROCS = "spawn_procs"  # start procs (JSON list of proc specs as the body)
+    SIGNAL = "signal"  # send a signal to a proc (SignalHeader)
+    SHUTDOWN = "shutdown"  # kill every proc and exit
+    # host agent -> controller
+    AGENT_HELLO = "agent_hello"  # the agent is up (AgentHelloHeader)
+    PROC_SPAWNED = "proc_spawned"  # a proc process exists (ProcSpawnedHeader)
+    PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
+    OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CallHeader(TypedDict, total=False):
+    actor: str  # the actor mesh's name
+    ep: str  # the endpoint
+    rank: int  # the target's flat rank
+    cid: str  # call id (absent for broadcast: no reply wanted)
+    reply_to: str  # the caller's identity
+    idx: int  # the target's index in the call
+
+
+class ReplyHeader(TypedDict):
+    cid: str
+    idx: int
+    ok: bool
+
+
+class InterruptHeader(TypedDict):
+    actor: str
+
+
+class PeerHeader(TypedDict):
+    proc: str  # the peer's identity
+
+
+class FaultHeader(TypedDict):
+    fault: str
+    params: dict
+
+
+class HelloHeader(TypedDict):
+    pid: int
+
+
+class HeartbeatHeader(TypedDict, total=False):
+    busy: dict  # actor -> [endpoint, seconds running]
+    paused: list  # breakpoint sessions holding actors (debug plugin)
+    loading: list  # heavy modules being imported (the GIL may be held for seconds)
+
+
+class ActorErrorHeader(TypedDict):
+    actor: str
+    ep: str
+    detail: str
+
+
+class FaultFiredHeader(TypedDict):
+    fault: str
+    detail: str
+
+
+class SignalHeader(TypedDict):
+    proc: str
+    signal: str
+
+
+class AgentHelloHeader(TypedDict):
+    pid: int
+    host: str
+
+
+class ProcSpawnedHeader(TypedDict):
+    proc: str
+    pid: int
+
+
+class ProcExitedHeader(TypedDict, total=False):
+    proc: str
+    pid: int
+    returncode: int
+    signal: str | None
+    detail: str
+    time: float
+
+
+class OutputHeader(TypedDict):
+    proc: str
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    oseq: int  # per (proc, stream) chunk number
+
+
+# -- faults ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FaultKind:
+    """One kind of fault.
+
+    Attributes:
+        params: parameter name -> default.
+        signal: the signal the host agent sends for it, or None if it acts inside the proc.
+        help: what happens, one line.
+    """
+
+    params: Mapping[str, Any]
+    signal: str | None
+    help: str
+
+
+#: Every fault kind; ``procs.inject(rank, kind, **params)``, ``%mesh fault`` and fault specs use these.
+FAULT_KINDS: dict[str, FaultKind] = {
+    "kill": FaultKind({}, "SIGKILL", "SIGKILL from the host agent"),
+    "segfault": FaultKind({}, None, "the proc dereferences NULL (SIGSEGV)"),
+    "exit": FaultKind({"code": 1}, None, "os._exit(code) in the proc"),
+    "hang": FaultKind({}, "SIGSTOP", "SIGSTOP: the proc freezes"),
+    "stall": FaultKind({"seconds": 5.0}, None, "a C call holds the GIL for `seconds`"),
+    "raise": FaultKind({}, None, "the next endpoint call raises"),
+    "nan": FaultKind({}, None, "the next tensor result / gradient is NaN"),
+    "slow": FaultKind({"ms": 100.0}, None, "every endpoint call sleeps `ms` first"),
+    "partition": FaultKind({"seconds": 5.0}, None, "every message to and from the proc is dropped for `seconds`"),
+}
+
+
+def validate_fault(kind: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Check ``kind`` and ``params``; return the params with defaults filled in.
+
+    Raises:
+        ValueError: unknown kind, unknown parameter, or a negative duration; the message lists
+            what is valid.
+    """
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
+    allowed = FAULT_KINDS[kind].params
+    unknown = set(params) - set(allowed)
+    if unknown:
+        accepted = ", ".join(allowed) or "no parameters"
+        raise ValueError(f"fault {kind!r} takes {accepted}; got {sorted(unknown)}")
+    filled = {**allowed, **params}
+    for name, value in filled.items():
+        if name == "code":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"fault {kind!r}: code must be an int, got {value!r}")
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"fault {kind!r}: {name} must be a non-negative number, got {value!r}")
+    return filled
+
+
+# -- environments ---------------------------------------------------------------------------------
+_PREFIX = "MONARCH_NB_"
+
+
+def _read(environ: Mapping[str, str], name: str, default: str) -> str:
+    return environ.get(_PREFIX + name, default)
+
+
+@dataclass
+class ProcEnv:
+    """What a proc is started with. The controller fills the proc's part, the host agent adds
+    ``key_hex`` and ``agent_pid``. torchrun's variables are set too, so ``env://`` code runs
+    unchanged.
+
+    Attributes:
+        controller: the controller's address (``ipc://...`` or ``tcp://...``).
+        rank / local_rank / world_size / local_world_size / group_rank: as torchrun sets them.
+        coords: the proc's coordinates, dim -> index.
+        extent: its proc mesh's dims, dim -> size.
+        heartbeat_interval_s: seconds between heartbeats.
+        run_id: the run's id for same-host shared-memory buffers ("" when none).
+        sys_path: the controller's ``sys.path``, prepended in the proc so user modules import.
+        key_hex: the cluster key (popped from the environment when read).
+        agent_pid: the host agent's pid (the proc exits if its parent is not this pid).
+        extra: further variables, verbatim (per-rank device visibility, MASTER_ADDR, ...).
+    """
+
+    controller: str
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    coords: dict = field(default_factory=dict)
+    extent: dict = field(default_factory=dict)
+    heartbeat_interval_s: float = 0.25
+    run_id: str = ""
+    sys_path: list = field(default_factory=list)
+    key_hex: str = ""
+    agent_pid: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to start the proc with (merge over the agent's own environment)."""
+        env = {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.group_rank),
+            _PREFIX + "CONTROLLER": self.controller,
+            _PREFIX + "COORDS": json.dumps(self.coords),
+            _PREFIX + "EXTENT": json.dumps(self.extent),
+            _PREFIX + "HEARTBEAT_INTERVAL_S": repr(float(self.heartbeat_interval_s)),
+            _PREFIX + "RUN_ID": self.run_id,
+            _PREFIX + "SYS_PATH": json.dumps(list(self.sys_path)),
+            **{str(k): str(v) for k, v in self.extra.items()},
+        }
+        if self.key_hex:
+            env[_PREFIX + "KEY"] = self.key_hex
+        if self.agent_pid:
+            env[_PREFIX + "AGENT_PID"] = str(self.agent_pid)
+        return env
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ProcEnv":
+        return cls(**data)
+
+    @classmethod
+    def from_env(cls, environ: "os._Environ[str] | dict[str, str]") -> "ProcEnv":
+        """Read the proc's environment; the key is popped (children of the proc never see it).
+
+        Raises:
+            KeyError: a variable the controller always sets is missing (not started as a proc).
+        """
+        return cls(
+            controller=environ[_PREFIX + "CONTROLLER"],
+            rank=int(environ.get("RANK", "0")),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            world_size=int(environ.get("WORLD_SIZE", "1")),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")),
+            group_rank=int(environ.get("GROUP_RANK", "0")),
+            coords=json.loads(_read(environ, "COORDS", "{}")),
+            extent=json.loads(_read(environ, "EXTENT", "{}")),
+            heartbeat_interval_s=float(_read(environ, "HEARTBEAT_INTERVAL_S", repr(cls.heartbeat_interval_s))),
+            run_id=_read(environ, "RUN_ID", ""),
+            sys_path=json.loads(_read(environ, "SYS_PATH", "[]")),
+            key_hex=environ.pop(_PREFIX + "KEY", ""),
+            agent_pid=int(_read(environ, "AGENT_PID", "0")),
+        )
+
+
+@dataclass
+class AgentEnv:
+    """What a host agent is started with.
+
+    Attributes:
+        controller: the controller's address.
+        key_hex: the cluster key (popped when read).
+        controller_pid: the agent exits when its parent is no longer this pid (0: no check).
+        run_id: the run's id for same-host shared-memory buffers ("" when none).
+        orphan_check_s: how often the agent checks its parent, seconds.
+    """
+
+    controller: str
+    key_hex: str
+    controller_pid: int = 0
+    run_id: str = ""
+    orphan_check_s: float = 0.1
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            _PREFIX + "CONTROLLER": self.controller,
+            _PREFIX + "KEY": self.key_hex,
+            _PREFIX + "CONTROLLER_PID": str(self.controller_pid),
+            _PREFIX + "RUN_ID": self.run_id,
+            _PREFIX + "ORPHAN_CHECK_S": repr(float(self.orphan_check_s)),
+        }
+
+    @classmethod
+    def from_env(cls, environ: "os._Environ[str] | dict[str, str]") -> "AgentEnv":
+        """Read the agent's environment; the key is popped.
+
+        Raises:
+            KeyError: not started by a controller (no controller address or key).
+        """
+        return cls(
+            controller=environ[_PREFIX + "CONTROLLER"],
+            key_hex=environ.pop(_PREFIX + "KEY"),
+            controller_pid=int(_read(environ, "CONTROLLER_PID", "0")),
+            run_id=_read(environ, "RUN_ID", ""),
+            orphan_check_s=float(_read(environ, "ORPHAN_CHECK_S", repr(cls.orphan_check_s))),
+        )
