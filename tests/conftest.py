@@ -1,15 +1,34 @@
-"""Shared fixtures: real meshes with short heartbeats, and a check that no test leaks a process."""
+"""Shared fixtures: the suite's settings, real meshes with short heartbeats, and leak checks.
+
+Tiers: tests under ``tests/unit/`` start no process and run alone with ``pytest -m "not
+cluster"``; every other test is marked ``cluster`` here (kernel and browser tests carry their own
+markers too). Fixtures are written to be overridden: a module that defines its own ``transport``
+or ``procs4`` fixture runs the same tests on another set-up.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import os
+import tempfile
 import time
 
 import pytest
 
 import monarch_nb
-from monarch_nb.runtime.controller import Controller
+from monarch_nb.config import config
 
-monarch_nb.configure(heartbeat_interval_s=0.1, hang_timeout_s=1.0)
+#: The suite's runtime settings: short heartbeats so hangs are found quickly.
+SUITE_SETTINGS = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 1.0}
+
+_UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not str(item.path).startswith(_UNIT_DIR):
+            item.add_marker(pytest.mark.cluster)
 
 
 def pid_alive(pid: int) -> bool:
@@ -34,30 +53,89 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.01, message: s
         time.sleep(interval_s)
 
 
-def _known_pids(controller: Controller) -> set[int]:
-    pids = {rec.pid for rec in controller.procs.values() if rec.pid}
-    pids |= {agent.popen.pid for agent in controller.agents.values() if agent.popen is not None}
-    return pids
+def hang_deadline_s() -> float:
+    """How long finding a hang may take under the current settings, with slack for a loaded machine."""
+    return config.hang_timeout_s + 2 * config.heartbeat_interval_s + 3.0
+
+
+def _controller():
+    from monarch_nb.runtime.controller import Controller
+
+    return Controller.existing()
+
+
+def _known_pids(controller) -> set[int]:
+    return set(controller.pids())
+
+
+def _owner(name: str, field: int) -> int:
+    parts = name.split("-")
+    return int(parts[field]) if len(parts) > field and parts[field].isdigit() else -1
+
+
+def _leftovers(pids: set[int]) -> tuple[list[str], list[str]]:
+    """Run folders of this process or of dead controllers (kernels the tests started), and
+    shared-memory files written by this process or by its procs."""
+    dirs = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "monarch_nb-*"))
+            if _owner(os.path.basename(d), 1) == os.getpid()
+            or (_owner(os.path.basename(d), 1) > 0 and not pid_alive(_owner(os.path.basename(d), 1)))]
+    shm = [f for f in glob.glob("/dev/shm/monarch_nb-*") if _owner(os.path.basename(f), 2) in pids | {os.getpid()}]
+    return dirs, shm
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaked_processes():
-    """After the session, every worker and host agent any test started must be gone."""
+def suite_settings():
+    """The suite's settings, set once before any mesh starts (never at import time)."""
+    saved = dataclasses.asdict(config)
+    monarch_nb.configure(**SUITE_SETTINGS)
+    yield config
+    monarch_nb.configure(**saved)
+
+
+@pytest.fixture(autouse=True)
+def restore_settings(suite_settings):
+    """A test that changes settings (``monarch_nb.configure``) cannot leak them into the next."""
+    saved = dataclasses.asdict(config)
+    yield
+    changed = {k: v for k, v in saved.items() if getattr(config, k) != v}
+    if changed:
+        monarch_nb.configure(**changed)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_processes(suite_settings):
+    """After the session, every worker and host agent any test started must be gone, and with
+    them the run folders and shared-memory files of this process's controllers."""
     seen: set[int] = set()
     yield seen
-    controller = Controller.existing()
+    controller = _controller()
     if controller is not None:
         seen |= _known_pids(controller)
         controller.shutdown()
     wait_until(lambda: not [p for p in seen if pid_alive(p)], 5.0, message=f"no leaked process among {sorted(seen)}")
+    wait_until(lambda: _leftovers(seen) == ([], []), 5.0, message=f"no run folder or /dev/shm file left: {_leftovers(seen)}")
 
 
 @pytest.fixture
-def procs4(no_leaked_processes):
+def transport() -> str:
+    """The controller's transport for cluster fixtures; a module may parametrise it."""
+    return config.transport
+
+
+@pytest.fixture
+def procs4(no_leaked_processes, transport):
     """Four local worker procs with dims {"gpus": 4}; stopped after the test."""
+    if transport != config.transport:  # a new controller on the other transport
+        old = _controller()
+        if old is not None:
+            no_leaked_processes.update(_known_pids(old))
+            old.shutdown()
+        monarch_nb.configure(transport=transport)
     procs = monarch_nb.this_host().spawn_procs(per_host={"gpus": 4})
     yield procs
-    controller = Controller.existing()
+    controller = _controller()
     if controller is not None:
         no_leaked_processes |= _known_pids(controller)
     procs.stop()
+    if transport != "ipc" and controller is not None:
+        controller.shutdown()  # the next test starts on the suite's transport again
