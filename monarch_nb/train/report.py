@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["FailureRecord", "TrainReport"]
+__all__ = ["FailureRecord", "TrainReport", "GOODPUT_MEANS"]
+
+#: what the goodput figure means, said wherever it is shown
+GOODPUT_MEANS = "share of the training wall time spent in steps that were kept (not lost to failures, redone or waiting)"
 
 
 @dataclass
@@ -15,7 +19,7 @@ class FailureRecord:
 
     Latencies (seconds, from the fault's injection, or from its detection for a real crash):
     ``detection_latency_s`` until the controller knew; ``resume_latency_s`` until the survivors
-    committed their next step; ``rejoin_latency_s`` until the restarted rank was back in an epoch.
+    committed their next step; ``rejoin_latency_s`` until the restarted rank was back in a quorum.
     """
 
     kind: str
@@ -32,6 +36,8 @@ class FailureRecord:
     heal_bytes: int | None = None
     heal_chunks: int | None = None
     replicas_identical: bool | None = None
+    how: str = ""  # how the rank came back: "heal" from a peer, "snapshot"
+    pid: int | None = None  # the incarnation that failed (not reported)
 
     def _lat(self, t: float | None) -> float | None:
         return None if t is None else round(max(0.0, t - self.injected_at), 4)
@@ -43,12 +49,14 @@ class FailureRecord:
             "rejoin_latency_s": self._lat(self.rejoined_at), "restarted": self.restarted,
             "heal_ms": None if self.heal_ms is None else round(self.heal_ms, 2), "heal_bytes": self.heal_bytes,
             "heal_chunks": self.heal_chunks, "replicas_identical_after_rejoin": self.replicas_identical,
+            "rejoined_by": self.how or None,
         }
 
 
 @dataclass
 class TrainReport:
-    """What a run did. ``str(report)`` is a readable table; :meth:`to_json` writes it.
+    """What a run did. ``str(report)`` is a readable table; :meth:`to_json` writes it and
+    :meth:`from_json` reads it back (``monarch-nb report FILE.json`` prints it).
 
     Attributes (units in names; losses are mean per sample):
         final_loss: training loss of the last committed step.
@@ -58,11 +66,19 @@ class TrainReport:
         failures: one dict per failure (see :class:`FailureRecord`).
         steps_lost: steps whose update is missing from (or doubled in) the final parameters.
         steps_redone: step attempts that failed and were redone.
+        steps_redone_from_snapshot: committed steps undone by restores from a snapshot (every
+            replica lost) and trained again.
         samples_lost, samples_repeated: from the sample ledger's audit against the pure order.
-        goodput: productive time (committed step attempts) / wall time of the training loop.
-        wall_time_s: first step sent -> last step committed. setup_time_s: procs + first epoch.
+        goodput: :data:`GOODPUT_MEANS`.
+        wall_time_s: first step sent -> last step committed. setup_time_s: procs, trainers and
+            the first quorum.
         throughput_samples_per_s: committed samples / wall_time_s.
+        quorums: quorums formed (one at the start, one per failure and per rejoin).
         replicas_identical: all live replicas' parameters equal at the end (SHA-256).
+        spares: warm spare procs kept per host. window_steps_median: steps per window.
+        snapshots: ``{"count", "bytes", "pause_ms_median", "cpu_ms_median", "interval_steps",
+            "cost_pct_of_step_time"}`` of the in-memory snapshots.
+        restores: one ``{"step", "steps_redone", "restore_s"}`` per restore from a snapshot.
     """
 
     final_loss: float | None
@@ -76,18 +92,23 @@ class TrainReport:
     failures: list = field(default_factory=list)
     steps_lost: int = 0
     steps_redone: int = 0
+    steps_redone_from_snapshot: int = 0
     samples_lost: int = 0
     samples_repeated: int = 0
     goodput: float = 0.0
     wall_time_s: float = 0.0
     setup_time_s: float = 0.0
     throughput_samples_per_s: float = 0.0
-    epochs: int = 0
+    quorums: int = 0
     replicas_identical: bool | None = None
     params_sha256: str = ""
     step_time_ms_median: float = 0.0
     stopped_early: bool = False
     worker_peak_rss_bytes: list = field(default_factory=list)
+    spares: int = 0
+    window_steps_median: float = 0.0
+    snapshots: dict = field(default_factory=dict)
+    restores: list = field(default_factory=list)
     ledger: dict | None = None
 
     def to_dict(self, ledger: bool = False) -> dict:
@@ -103,25 +124,67 @@ class TrainReport:
             json.dump(self.to_dict(ledger=ledger), f, indent=1)
         return path
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainReport":
+        """A report from :meth:`to_dict`'s form; unknown keys are ignored, missing ones defaulted.
+
+        Raises:
+            ValueError: a field without a default (e.g. ``steps``) is missing.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "quorums" not in values and "epochs" in data:  # reports written before quorums were called so
+            values["quorums"] = data["epochs"]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ValueError(f"not a training report: fields {missing} are missing")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str) -> "TrainReport":
+        """Read a report written by :meth:`to_json`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not JSON, or not a training report.
+        """
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a training report (a JSON object)")
+        return cls.from_dict(data)
+
     def __str__(self) -> str:
         def fmt(v, spec=".4f"):
             return "-" if v is None else format(v, spec)
 
+        snap = self.snapshots or {}
         lines = [
             f"training report: {self.workload} on {self.procs} procs ({self.backend}), global batch {self.global_batch}",
             f"  steps committed     {self.steps}{'  (stopped early)' if self.stopped_early else ''}",
-            f"  final loss          {fmt(self.final_loss)}",
+            f"  final loss          {fmt(self.final_loss)}   (training loss of the last step)",
             f"  test accuracy       {fmt(self.test_accuracy)}",
             f"  test loss           {fmt(self.test_loss)}",
             f"  wall time           {self.wall_time_s:.2f} s (setup {self.setup_time_s:.2f} s)",
             f"  throughput          {self.throughput_samples_per_s:.0f} samples/s, median step {self.step_time_ms_median:.2f} ms",
-            f"  goodput             {self.goodput:.3f}",
+            f"  goodput             {self.goodput:.3f}   ({GOODPUT_MEANS})",
             f"  steps lost          {self.steps_lost}   (attempts redone: {self.steps_redone})",
             f"  samples lost        {self.samples_lost}",
             f"  samples repeated    {self.samples_repeated}",
-            f"  membership epochs   {self.epochs}",
+            f"  quorums             {self.quorums}",
             f"  replicas identical  {self.replicas_identical}",
         ]
+        if snap.get("count"):
+            lines.append(f"  snapshots           {snap['count']} in shared memory, every ~{snap.get('interval_steps', 0):.0f} "
+                         f"steps, cost {snap.get('cost_pct_of_step_time', 0):.2f}% of step time")
+        for r in self.restores:
+            lines.append(f"  every replica lost: restored from the snapshot of step {r['step']} in {r['restore_s']:.2f} s, "
+                         f"{r['steps_redone']} step(s) redone")
         if self.failures:
             lines.append(f"  failures ({len(self.failures)}):")
             lines.append("    kind       rank  step  cause           detect_s  resume_s  rejoin_s  heal_ms")
