@@ -2,6 +2,7 @@
 
     monarch-nb demo [--procs N]        start a local CPU mesh, call actors, inject a fault, recover
     monarch-nb train [--procs N] [--steps S] [--fault kill@120:rank=2 ...]   fault-tolerant training + report
+    monarch-nb report FILE.json        print the report of a run saved with `train --report-json`
     monarch-nb install-kernel [--user|--sys-prefix|--prefix P]   the "Monarch (Python 3)" kernelspec
 """
 
@@ -32,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--sys-prefix", action="store_true", help="install into this environment (the default)")
     where.add_argument("--prefix", help="install into PREFIX/share/jupyter/kernels")
     kernel.set_defaults(func=_install_kernel)
-    from .train.cli import add_train_parser
+    from .train.cli import add_report_parser, add_train_parser
 
     add_train_parser(sub)
+    add_report_parser(sub)
     return parser
 
 
