@@ -16,6 +16,7 @@ demo: setup
 
 test: setup
 	bash scripts/install-browser.sh
+	bash scripts/install-gpu-compilers.sh
 	$(PY) -m pytest -q
 
 bench: setup
