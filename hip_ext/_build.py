@@ -131,11 +131,16 @@ def _compile(sources: tuple[str, ...], gpu: bool, verbose: bool) -> None:
             baton.unlink(missing_ok=True)
         src = _stage_sources(build_dir / "csrc")
         digest = _headers_digest(src)  # cpp_extension hashes the sources, not the headers they include
+        # at::parallel_reduce is a header template whose threads are an `omp parallel` region: it
+        # runs on one thread unless the extension is built with -fopenmp (linked to the libgomp
+        # torch already loaded, by soname). -fopenmp-simd alone keeps the `omp simd` loops.
+        openmp = ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
         cpp_extension.load(
             name=name,
             sources=[str(src / s) for s in sources],
-            extra_cflags=["-O3", "-fopenmp-simd", f"-DMNB_HEADERS={digest}"],
+            extra_cflags=["-O3", "-fopenmp-simd", *openmp, f"-DMNB_HEADERS={digest}"],
             extra_cuda_cflags=["-O3", f"-DMNB_HEADERS={digest}"],
+            extra_ldflags=openmp,
             extra_include_paths=[str(src)],
             build_directory=str(build_dir),
             is_python_module=False,
