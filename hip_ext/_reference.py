@@ -120,8 +120,10 @@ def checksum_reference(x: torch.Tensor) -> torch.Tensor:
     data = x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     nbytes = data.numel()
     pad = -nbytes % 8
-    if pad:
-        data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
+    if pad or data.storage_offset() % 8:  # a tail to pad, or a view that int64 cannot alias: copy
+        padded = torch.zeros(nbytes + pad, dtype=torch.uint8, device=data.device)
+        padded[:nbytes] = data
+        data = padded
     words = data.view(torch.int64)
     low = torch.zeros((), dtype=torch.int64, device=x.device)
     high = torch.zeros((), dtype=torch.int64, device=x.device)
