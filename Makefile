@@ -23,6 +23,7 @@ bench: setup
 	$(PY) bench/actor_latency.py --with-peers
 	$(PY) bench/detection.py --with-peers
 	$(PY) bench/training.py --chaos
+	$(PY) bench/kernels.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts

@@ -8,6 +8,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -229,6 +230,21 @@ def test_grad_health_over_a_real_model(compiled_cpu):
     sum_sq, nonfinite = hip_ext.grad_health(grads).tolist()
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])).item()
     assert nonfinite == 0 and sum_sq ** 0.5 == pytest.approx(norm, rel=1e-12)
+
+
+def test_readme_example_and_docstring_examples_run():
+    import doctest
+
+    from hip_ext import _ops
+
+    section = (ROOT / "README.md").read_text().split("## hip_ext:", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[25.0, 1.0]", "True"]
+    result = doctest.testmod(_ops)
+    assert result.attempted >= 4 and result.failed == 0
 
 
 # -- the GPU kernel sources ------------------------------------------------------------------------
