@@ -232,6 +232,39 @@ def test_grad_health_over_a_real_model(compiled_cpu):
     assert nonfinite == 0 and sum_sq ** 0.5 == pytest.approx(norm, rel=1e-12)
 
 
+def test_without_a_compiler_load_logs_one_line_and_the_references_serve():
+    code = """
+import logging, torch, hip_ext
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+print(hip_ext.load(), hip_ext.load())
+print(hip_ext.grad_health([torch.tensor([3.0, float("nan")]), torch.tensor([4.0])]).tolist())
+print(hip_ext.checksum(torch.arange(3)) == int(hip_ext.checksum_reference(torch.arange(3))))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), CXX="no-such-compiler"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[] []", "[25.0, 1.0]", "True"]
+    logged = [line for line in proc.stderr.splitlines() if line.startswith("hip_ext")]
+    assert logged == ["hip_ext._build WARNING hip_ext: no C++ compiler ('no-such-compiler' is not on PATH); "
+                      "grad_health and checksum use the pure-torch reference"]
+
+
+@needs_compiler
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_one(tmp_path):
+    # cpp_extension's own lock is a plain file: a build killed mid-way leaves it, and every later
+    # load would wait on it forever. load() holds an OS lock around it, so it knows the file is stale.
+    code = "import hip_ext; print(hip_ext.load())"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170, env=env)
+    assert first.stdout.strip() == "['CPU']", first.stderr
+    (build_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("monarch_nb_hip_ext")]
+    (build_dir / "lock").touch()  # what a SIGKILLed builder leaves
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert again.stdout.strip() == "['CPU']", again.stderr
+    assert "removing a build lock left by a killed build" in again.stderr
+    assert not (build_dir / "lock").exists()
+
+
 def test_readme_example_and_docstring_examples_run():
     import doctest
 
