@@ -16,12 +16,14 @@ demo: setup
 
 test: setup
 	bash scripts/install-browser.sh
+	bash scripts/install-gpu-compilers.sh
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) bench/actor_latency.py --with-peers
 	$(PY) bench/detection.py --with-peers
 	$(PY) bench/training.py --chaos
+	$(PY) bench/kernels.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts

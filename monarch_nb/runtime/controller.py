@@ -121,6 +121,8 @@ class Controller:
             Kind.ACTOR_ERROR: self._from_proc(self._on_actor_error),
             Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
             Kind.AGENT_HELLO: self._on_agent_hello,
+            Kind.AGENT_HEARTBEAT: self._on_agent_heartbeat,
+            Kind.SPARES: self._on_spares,
         }
         self.channel.every(config.heartbeat_interval_s, self._tick)
         self.channel.start(name="monarch_nb-controller-io")
@@ -144,7 +146,8 @@ class Controller:
         record = self.meshes.get(mesh)
         return record is not None and record.stopped
 
-    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None) -> str:
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, *, spares: int = 0,
+                    preload: Sequence[str] = ()) -> str:
         """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
 
         Raises:
@@ -166,6 +169,9 @@ class Controller:
             run_id=self.channel.shm_run_id or "", master_port=store.port,
             visibility=lambda local_rank: device.visibility_env(local_rank, inventory),
         )
+        cores = _cores()
+        if len(specs) > cores:
+            log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", len(specs), cores, cores)
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
         with self._lock:
             for rec in records:
@@ -182,7 +188,16 @@ class Controller:
                     tail = "\n".join(rec.output_tail) or "(no output)"
                     why = f"exited ({rec.exit_info})" if rec.state == ProcState.FAILED else f"did not start within {config.start_timeout_s} s"
                     raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
+        if spares:
+            self._keep_spares(host.name, name, specs[0], spares, preload)
         return name
+
+    def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
+        """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
+        shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
+        body = {"mesh": mesh, "count": count, "preload": list(preload), "base_env": spec.get("base_env") or {},
+                "proc_env": shared, "cwd": spec.get("cwd")}
+        self.channel.send(host, {"kind": Kind.KEEP_SPARES}, json.dumps(body).encode())
 
     def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
         """Construct ``cls(*args, **kwargs)`` on ``ranks`` of proc mesh ``mesh``; block until built.
@@ -213,6 +228,9 @@ class Controller:
             return
         record.stopped = True
         records = [self.procs[i] for i in record.procs]
+        for host in {r.host for r in records}:
+            if self.hosts.get(host, HostRecord(host)).spares.pop(mesh, None) is not None:
+                self._keep_spares(host, mesh, records[0].spec, 0, ())
         for rec in records:
             if rec.alive:
                 rec.state = ProcState.STOPPING
@@ -244,6 +262,20 @@ class Controller:
         """
         rec = self.proc_record(mesh, rank)
         self._mesh(rec.mesh)
+        if not rec.restart_lock.acquire(blocking=False):  # a restart is under way: it is the one
+            self.record_event("restart_skipped", rec, detail=f"already being restarted (restart {rec.restarts})", cause="restart")
+            if not rec.restart_lock.acquire(timeout=timeout_s):
+                raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
+            rec.restart_lock.release()
+            if not rec.serving:
+                raise RuntimeError(f"proc {rec.identity} was restarted by someone else but is {rec.state}")
+            return
+        try:
+            self._restart_locked(rec, timeout_s)
+        finally:
+            rec.restart_lock.release()
+
+    def _restart_locked(self, rec: ProcRecord, timeout_s: float) -> None:
         if rec.state in (ProcState.HEALTHY, ProcState.BUSY, ProcState.HUNG, ProcState.STARTING):
             rec.fenced = rec.fenced or rec.state == ProcState.HUNG
             rec.state = ProcState.RESTARTING
@@ -413,7 +445,7 @@ class Controller:
                 pass
             else:
                 env = AgentEnv(self.address, self.signer.key.hex(), os.getpid(), self.channel.shm_run_id or "",
-                               config.orphan_check_s)
+                               config.orphan_check_s, config.heartbeat_interval_s)
                 self._agents[name] = LocalAgent(name, env)
                 record = self.hosts[name] = HostRecord(name, pid=self._agents[name].pid)
         if not record.ready.wait(config.start_timeout_s):
@@ -459,6 +491,23 @@ class Controller:
         rec = self.procs.get(route_id(header["proc"]))
         if rec is not None:
             rec.pid = header["pid"]
+            rec.on_spare = bool(header.get("spare"))
+
+    def _on_agent_heartbeat(self, header: dict, body: Any, buffers: list) -> None:
+        host = self.hosts.get(route_id(header["src"]))
+        if host is None:
+            return
+        host.last_heartbeat = time.monotonic()
+        host.load = float(header.get("load", 0.0))
+        stopped = set(header.get("stopped", ()))
+        for rec in list(self.procs.values()):
+            if rec.host == host.name:
+                rec.os_stopped = rec.identity in stopped
+
+    def _on_spares(self, header: dict, body: Any, buffers: list) -> None:
+        host = self.hosts.get(route_id(header["src"]))
+        if host is not None and not self.mesh_stopped(header["mesh"]):
+            host.spares[header["mesh"]] = list(header["spares"])
 
     def _on_proc_exited(self, header: dict, body: Any, buffers: list) -> None:
         rec = self.procs.get(route_id(header["proc"]))
@@ -516,6 +565,10 @@ def sweep_stale_run_dirs() -> int:
         shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
         removed += 1
     return removed
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _pid_exists(pid: int) -> bool:

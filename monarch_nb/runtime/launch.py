@@ -112,7 +112,10 @@ def proc_specs(
             heartbeat_interval_s=heartbeat_interval_s,
             run_id=run_id,
             sys_path=[p for p in sys.path if p],
-            extra={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), **visibility(local_rank)},
+            # torchrun's variables: env:// finds the controller's store, which every rank (rank 0
+            # too) joins as a client, as under torchrun's agent
+            extra={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   **visibility(local_rank)},
         )
         specs.append({
             "identity": proc_identity(mesh, point.rank),

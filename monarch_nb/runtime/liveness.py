@@ -96,13 +96,26 @@ class Liveness:
         self.fail_proc(rec, cause, detail, signame)
 
     # -- timer (IO thread) ----------------------------------------------------------------------
+    def allowance_s(self, rec: ProcRecord) -> float:
+        """How long ``rec`` may be silent before it is hung (seconds).
+
+        ``hang_timeout_s``, stretched by its host's load (runnable procs per core, at most 8x: a
+        starved proc is late, not hung) and raised to ``import_grace_s`` while it announces a heavy
+        import. A proc its host agent reports *stopped* (SIGSTOP) gets ``hang_timeout_s`` alone:
+        the OS says it is frozen, whatever it was doing.
+        """
+        if rec.os_stopped:
+            return config.hang_timeout_s
+        host = self.ctrl.hosts.get(rec.host)
+        allowed = config.hang_timeout_s * min(8.0, max(1.0, host.load if host is not None else 1.0))
+        return max(allowed, config.import_grace_s) if rec.loading else allowed
+
     def check_heartbeats(self) -> None:
         """Report procs silent past their allowance hung; fence them (SIGKILL) if configured."""
         ctrl = self.ctrl
         now = time.monotonic()
         for rec in list(ctrl.procs.values()):
-            allowed_s = max(config.hang_timeout_s, config.import_grace_s) if rec.loading else config.hang_timeout_s
-            if rec.serving and now - rec.last_heartbeat > allowed_s:
+            if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):
                 rec.state = ProcState.HUNG
                 silent = now - rec.last_heartbeat
                 ctrl.record_event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
@@ -145,7 +158,8 @@ class Liveness:
                 rec.ready.set()
                 return
             self._tell_recovered(rec, include_starting=True)
-            ctrl.record_event("proc_restarted", rec, detail=f"pid {rec.pid}, restart {rec.restarts}", cause="restart")
+            spare = " (a warm spare)" if rec.on_spare else ""
+            ctrl.record_event("proc_restarted", rec, detail=f"pid {rec.pid}{spare}, restart {rec.restarts}", cause="restart")
             rec.ready.set()
 
         threading.Thread(target=finish, name="respawn", daemon=True).start()

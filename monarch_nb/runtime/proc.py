@@ -380,5 +380,5 @@ def main(identity: str, plugins: Sequence[Plugin] = ()) -> None:
     proc = _current = Proc(identity, env)
     for install in plugins:
         install(proc)
-    import_grace.install(proc.heartbeat)
+    import_grace.install(proc.heartbeat, env.import_lock_dir, env.import_slots)
     proc.serve()

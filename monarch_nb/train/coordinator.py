@@ -488,24 +488,27 @@ class Coordinator:
         self.step_s = s if self.step_s is None else 0.7 * self.step_s + 0.3 * s
 
     # -- commits ---------------------------------------------------------------------------------------
-    def _records_for(self, step: int) -> tuple[tuple, dict, dict | None, int]:
-        """``(members, {rank: digest or None}, a reply holding the step's record, index)``."""
+    def _records_for(self, step: int) -> tuple[tuple, dict, dict | None, int, float | None]:
+        """``(members, {rank: digest or None}, a reply holding the step's record, its index, the
+        largest local gradient norm reported)`` of ``step``."""
         for win in reversed(self.windows):
             if win.start <= step < win.start + win.count:
                 digests: dict = {}
                 source = None
+                norm = None
                 i = step - win.start
                 for rank in win.members:
                     rep = win.replies.get(rank)
                     if isinstance(rep, dict) and i < len(rep["digest"]):
                         digests[rank] = rep["digest"][i]
                         source = source or rep
+                        norm = rep["grad_norm"][i] if norm is None else max(norm, rep["grad_norm"][i])
                     else:
                         digests[rank] = None
-                return win.members, digests, source, i
+                return win.members, digests, source, i, norm
         for start, count, members in reversed(self.history):
             if start <= step < start + count:
-                return members, {r: None for r in members}, None, 0
+                return members, {r: None for r in members}, None, 0, None
         raise TrainingError(f"step {step} was committed by no known quorum")
 
     def _commit_upto(self, upto: int) -> None:
@@ -517,7 +520,7 @@ class Coordinator:
         metrics = []
         while self.next_commit < upto:
             step = self.next_commit
-            members, digests, rep, i = self._records_for(step)
+            members, digests, rep, i, norm = self._records_for(step)
             run.ledger.record_shards(step, members, digests)
             metric = {"type": "step", "step": step, "loss": None, "batch_accuracy": None,
                       "time_s": round(now - self.t_train0, 4), "quorum": self.m.quorum, "live_ranks": list(members),
@@ -525,7 +528,7 @@ class Coordinator:
             if rep is not None:
                 ms = rep["step_ms"][i]
                 metric.update(loss=rep["loss"][i], batch_accuracy=rep["accuracy"][i], step_ms=round(ms, 3),
-                              grad_norm=rep["grad_norm"][i])
+                              grad_norm=norm)
                 self.step_ms.append(ms)
                 self.productive_s += ms / 1e3
             ev = self.pending_evals.pop(step, None)
@@ -659,7 +662,7 @@ class Coordinator:
 
     def _rejoined(self, joined: list[int]) -> None:
         sums = self.m.checksums()
-        identical = len({v["params_sha256"] for v in sums.values()}) <= 1
+        identical = len({v["params_checksum"] for v in sums.values()}) <= 1
         now = time.monotonic()
         for rank in joined:
             if self.m.state.get(rank) == RankState.LIVE:
@@ -747,7 +750,7 @@ class Coordinator:
         timeout = 2.0 if run.stopping else o.collective_timeout_s
         stop = threading.Event()  # the final reads run even when the run was asked to stop
         values, _ = wait_all({r: m.trainers[r].checksum.call_one() for r in m.live}, timeout, stop)
-        digests = {v["params_sha256"] for v in values.values()}
+        digests = {v["params_checksum"] for v in values.values()}
         applied = {v["applied_steps"] for v in values.values()}
         ev = {"test_accuracy": None, "test_loss": None}
         mem: dict = {}
@@ -804,7 +807,7 @@ class Coordinator:
             throughput_samples_per_s=round(committed * o.global_batch / wall, 1),
             quorums=self.m.quorum,
             replicas_identical=len(digests) == 1 if digests else None,
-            params_sha256=next(iter(digests)) if len(digests) == 1 else "",
+            params_checksum=next(iter(digests)) if len(digests) == 1 else "",
             step_time_ms_median=round(ordered[len(ordered) // 2], 3) if ordered else 0.0,
             stopped_early=self.next_commit < o.steps,
             worker_peak_rss_bytes=[mem[r]["peak_rss_bytes"] for r in sorted(mem)],

@@ -74,7 +74,8 @@ class TrainReport:
             the first quorum.
         throughput_samples_per_s: committed samples / wall_time_s.
         quorums: quorums formed (one at the start, one per failure and per rejoin).
-        replicas_identical: all live replicas' parameters equal at the end (SHA-256).
+        replicas_identical: all live replicas' parameters equal at the end (per-tensor 64-bit checksums).
+        params_checksum: the replicas' parameter checksum (16 hex digits), "" when they differ.
         spares: warm spare procs kept per host. window_steps_median: steps per window.
         snapshots: ``{"count", "bytes", "pause_ms_median", "cpu_ms_median", "interval_steps",
             "cost_pct_of_step_time"}`` of the in-memory snapshots.
@@ -101,7 +102,7 @@ class TrainReport:
     throughput_samples_per_s: float = 0.0
     quorums: int = 0
     replicas_identical: bool | None = None
-    params_sha256: str = ""
+    params_checksum: str = ""
     step_time_ms_median: float = 0.0
     stopped_early: bool = False
     worker_peak_rss_bytes: list = field(default_factory=list)

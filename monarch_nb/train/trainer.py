@@ -7,8 +7,9 @@ the quorum and the data order are pure functions it already knows. Per step ``s`
 
 1. compute the gradient of the summed loss over its shard of step ``s``'s global batch, straight
    into a flat buffer (the parameters' ``.grad`` are views of it, as DDP's
-   ``gradient_as_bucket_view``), look at its health (:func:`_grad_health`: sum of squares, count of
-   non-finite elements), and all-reduce (SUM) the buffer with four statistics at its end: loss
+   ``gradient_as_bucket_view``), read its health in one pass (:func:`_grad_health`, that is
+   ``hip_ext.grad_health``: sum of squares, count of non-finite elements; a NaN is found on the rank
+   that produced it), and all-reduce (SUM) the buffer with four statistics at its end: loss
    sum, sample count, correct count, non-finite count;
 2. if the reduced statistics say a rank's gradient was not finite, apply nothing and end the
    window (status ``"nonfinite"``): every member sees the same reduced values, so every member
@@ -69,21 +70,24 @@ class QuorumAborted(RuntimeError):
 
 def _grad_health(grads: list) -> tuple[float, int]:
     """``(sum of squares of the finite elements, number of non-finite elements)`` of ``grads``
-    (a list of float tensors), read before the all-reduce. One BLAS pass when all are finite."""
-    import torch
+    (a list of float tensors), read before the all-reduce: ``hip_ext.grad_health``, one pass."""
+    from hip_ext import grad_health
 
-    total, bad = 0.0, 0
-    for g in grads:
-        flat = g.reshape(-1)
-        s = float(torch.dot(flat, flat))
-        if math.isfinite(s):
-            total += s
-            continue
-        finite = torch.isfinite(flat)
-        bad += int(flat.numel() - int(finite.sum()))
-        kept = flat[finite]
-        total += float(torch.dot(kept, kept))
-    return total, bad
+    sum_sq, nonfinite = grad_health(grads).tolist()
+    return sum_sq, int(nonfinite)
+
+
+def _params_checksum(state: dict) -> str:
+    """16 hex digits: BLAKE2b-64 of each tensor's name, dtype, shape and ``hip_ext.checksum`` (a
+    64-bit hash of its bytes, computed on its own device, no copy to the host), in order."""
+    import hashlib
+
+    from hip_ext import checksum
+
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in state.items():
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{checksum(t)}\n".encode())
+    return h.hexdigest()
 
 
 class Trainer(Actor):
@@ -124,6 +128,7 @@ class Trainer(Actor):
     def setup(self) -> dict:
         """Load the data, build the model and optimizer (seeded: every replica starts identical).
         Idempotent. Returns ``{"rank", "setup_ms", "next_step"}``."""
+        import hip_ext
         import numpy as np
         import torch
 
@@ -134,6 +139,7 @@ class Trainer(Actor):
             return {"rank": self.rank, "setup_ms": 0.0, "next_step": self.next_step}
         (workload, seed, lr, global_batch, store_host, store_port, backend, collective_timeout_s,
          chunk_bytes) = self._config
+        hip_ext.load()  # compiled grad_health / checksum kernels; the pure-torch ones, with a log line, if none
         world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
         self.backend = backend or device_mod.backend()
@@ -445,17 +451,14 @@ class Trainer(Actor):
 
     @endpoint
     def checksum(self) -> dict:
-        """SHA-256 of the model's parameters and buffers.
+        """Checksum of the model's parameters and buffers.
 
-        Returns ``{"rank", "params_sha256" (hex str), "applied_steps", "next_step"}``.
+        Returns ``{"rank", "params_checksum" (str, 16 hex digits: see :func:`_params_checksum`),
+        "applied_steps", "next_step"}``. Equal on two replicas exactly when (barring a 64-bit
+        collision) their state dicts are bit-identical, on any device.
         """
-        import hashlib
-
-        h = hashlib.sha256()
-        for t in self.model.state_dict().values():
-            h.update(bytes_view(t))
-        return {"rank": self.rank, "params_sha256": h.hexdigest(), "applied_steps": self.applied_steps,
-                "next_step": self.next_step}
+        return {"rank": self.rank, "params_checksum": _params_checksum(self.model.state_dict()),
+                "applied_steps": self.applied_steps, "next_step": self.next_step}
 
     @endpoint
     def parameters(self) -> dict:

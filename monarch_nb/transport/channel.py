@@ -74,6 +74,7 @@ class Channel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._readers: dict[int, Callable[[int], None]] = {}
+        self._readers_lock = threading.Lock()
         self._timers: list[list] = []  # [next_due, interval_s, fn]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
@@ -93,11 +94,16 @@ class Channel:
         self.address = address
 
     def add_reader(self, fd: int, callback: Callable[[int], None]) -> None:
-        """Call ``callback(fd)`` on the IO thread when ``fd`` is readable. IO thread only, or before start."""
-        self._readers[fd] = callback
+        """Call ``callback(fd)`` on the IO thread when ``fd`` is readable. Any thread."""
+        with self._readers_lock:
+            self._readers[fd] = callback
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._wake()
 
     def remove_reader(self, fd: int) -> None:
-        self._readers.pop(fd, None)
+        """Stop watching ``fd``. Any thread; on the IO thread it takes effect at once."""
+        with self._readers_lock:
+            self._readers.pop(fd, None)
 
     def every(self, interval_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the IO thread every ``interval_s`` seconds. Call before :meth:`start`."""
@@ -178,11 +184,13 @@ class Channel:
         poller.register(self._wake_r, select.POLLIN)
         registered: set[int] = set()
         while not self._closed.is_set():
-            if self._readers.keys() != registered:
-                for fd in set(self._readers) - registered:
+            with self._readers_lock:
+                wanted = set(self._readers)
+            if wanted != registered:
+                for fd in wanted - registered:
                     poller.register(fd, select.POLLIN)
                     registered.add(fd)
-                for fd in registered - set(self._readers):
+                for fd in registered - wanted:
                     poller.unregister(fd)
                     registered.discard(fd)
             timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
@@ -197,7 +205,8 @@ class Channel:
                     except BlockingIOError:
                         pass
                 elif fd != sock_fd:
-                    callback = self._readers.get(fd)
+                    with self._readers_lock:
+                        callback = self._readers.get(fd)
                     if callback is not None:
                         self._guarded(callback, fd)
             self._receive_all()
