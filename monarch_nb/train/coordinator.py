@@ -727,7 +727,7 @@ class Coordinator:
         took = time.monotonic() - t0
         self.restores.append({"step": step, "steps_redone": redone, "restore_s": round(took, 4),
                               "ranks": sorted(restored)})
-        self.run.emit({"type": "recovery", "event": "restored", "step": step, "steps_redone": redone,
+        self.run.add_recovery({"type": "recovery", "event": "restored", "step": step, "steps_redone": redone,
                        "restore_s": round(took, 4), "ranks": sorted(restored),
                        "time_s": round(time.monotonic() - self.t_train0, 4)})
         now = time.monotonic()

@@ -175,6 +175,11 @@ class TrainingRun:
         self.recoveries.append(item)
         self.emit(item)
 
+    def add_recovery(self, item: dict) -> None:
+        """A recovery record that is not about one failure (a restore from a snapshot)."""
+        self.recoveries.append(item)
+        self.emit(item)
+
     def add_metrics(self, metrics: list[dict]) -> None:
         self.metrics.extend(metrics)
         if self._subscribers:
