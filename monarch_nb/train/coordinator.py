@@ -42,6 +42,9 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _MAX_WINDOW = 4096
+#: what a warm spare imports while it waits, so that a Trainer's setup on it is quick: torch,
+#: torch._dynamo (which an optimizer's constructor imports, ~1.5 s), the kernels and the trainer
+SPARE_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "hip_ext", "monarch_nb.train.trainer")
 _SNAPSHOT_N = 7_700_000_000  # the <n> of snapshot file names: a band no transport buffer reaches
 _run_seq = iter(range(1 << 30))
 
@@ -162,7 +165,7 @@ class Coordinator:
         extra: dict = {}
         if o.spares:
             if "spares" in inspect.signature(HostMesh.spawn_procs).parameters:
-                extra = {"spares": o.spares, "preload": ("torch", "monarch_nb.train.trainer")}
+                extra = {"spares": o.spares, "preload": SPARE_PRELOAD}
                 self.spares = o.spares
             else:
                 log.info("this runtime keeps no warm spares; a failed rank restarts in a fresh process")
