@@ -319,10 +319,11 @@ class Membership:
 
     # -- quorums ----------------------------------------------------------------------------------
     def form_quorum(self) -> None:
-        """Form a new quorum of the live ranks; retries without ranks that fail meanwhile.
+        """Form a new quorum of the live ranks; retries without ranks that fail meanwhile. If every
+        live rank fails meanwhile, returns with no quorum (the run then restores a snapshot).
 
         Raises:
-            TrainingError: no live rank, or no quorum after 20 tries.
+            TrainingError: no quorum after 20 tries.
             Stopped: the run was stopped.
         """
         o = self.options
@@ -330,7 +331,8 @@ class Membership:
         for _ in range(20):
             ranks = self.live
             if not ranks:
-                raise TrainingError("no live rank to form a quorum with")
+                self.broken = True
+                return
             self.quorum += 1
             quorum = self.quorum
             aborted = threading.Event()

@@ -150,7 +150,10 @@ class TrainingRun:
 
     @property
     def live_ranks(self) -> list[int]:
-        return self._coordinator.m.live
+        """The ranks training now: members of the current quorum that have not failed (a healed
+        rank counts once the quorum it rejoined is formed)."""
+        m = self._coordinator.m
+        return sorted(set(m.members) & set(m.live))
 
     # -- for the coordinator (training thread) --------------------------------------------------------
     def emit(self, item: dict) -> None:

@@ -90,6 +90,50 @@ def _params_checksum(state: dict) -> str:
     return h.hexdigest()
 
 
+def _abortable_store(real, base, abort_key: str, timeout_s: float):
+    """A c10d Store over ``real`` whose blocking reads give up as soon as ``abort_key`` appears in
+    ``base``: a process group being formed with a peer that died after the barrier fails at once
+    (the controller sets the key) instead of waiting for the rendezvous timeout."""
+    import torch.distributed as dist
+
+    class AbortableStore(dist.Store):
+        def _wait_for(self, keys: list) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not real.check(keys):
+                if base.check([abort_key]):
+                    raise QuorumAborted("the quorum was aborted by the controller while its process group formed")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"keys {keys} did not appear within {timeout_s} s")
+                time.sleep(0.002)
+
+        def set(self, key, value):
+            real.set(key, value)
+
+        def get(self, key):
+            self._wait_for([key])
+            return real.get(key)
+
+        def add(self, key, value):
+            return real.add(key, value)
+
+        def check(self, keys):
+            return real.check(keys)
+
+        def wait(self, keys, timeout=None):
+            self._wait_for(list(keys))
+
+        def compare_set(self, key, expected, desired):
+            return real.compare_set(key, expected, desired)
+
+        def delete_key(self, key):
+            return real.delete_key(key)
+
+        def num_keys(self):
+            return real.num_keys()
+
+    return AbortableStore()
+
+
 class Trainer(Actor):
     """One data-parallel replica. Built light on every proc; :meth:`setup` makes it a replica.
 
@@ -173,7 +217,10 @@ class Trainer(Actor):
         self._bufs = [torch.zeros(self._n + _STATS, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._views = [self._param_views(buf) for buf in self._bufs]
         self._reduced_step = [-1, -1]  # which step's averaged gradient each buffer holds
+        self._grads = [buf[: self._n] for buf in self._bufs]
+        self._tails = [buf[self._n :] for buf in self._bufs]
         self._stats = torch.zeros(_STATS, dtype=torch.float32)
+        self._stats_np = self._stats.numpy()
         self._step_ms_avg = 1.0
         self._local_nonfinite = False
         self._kill_in_collective_at: int | None = None
@@ -204,8 +251,9 @@ class Trainer(Actor):
     def init_quorum(self, quorum: int, ranks: list[int]) -> dict:
         """Join quorum ``quorum`` of ``ranks`` (proc ranks; this one among them).
 
-        Builds a new process group under the store prefix ``quorum<quorum>/`` after a barrier that
-        the controller can abort (key ``quorum<quorum>/abort``). Returns ``{"rank", "quorum",
+        Builds a new process group under the store prefix ``quorum<quorum>/`` after a barrier; the
+        controller can abort both (key ``quorum<quorum>/abort``), so a peer that fails meanwhile
+        never holds the others for the rendezvous timeout. Returns ``{"rank", "quorum",
         "init_ms", "next_step"}``.
 
         Raises:
@@ -231,7 +279,8 @@ class Trainer(Actor):
         if len(ranks) > 1:
             dist.init_process_group(
                 self.backend,
-                store=dist.PrefixStore(prefix + "pg/", store),
+                store=_abortable_store(dist.PrefixStore(prefix + "pg/", store), store, prefix + "abort",
+                                       self.collective_timeout_s),
                 rank=ranks.index(self.rank),
                 world_size=len(ranks),
                 timeout=timedelta(seconds=self.collective_timeout_s),
@@ -322,7 +371,7 @@ class Trainer(Actor):
         import torch
 
         which = step & 1
-        buf = self._bufs[which]
+        buf, grads, tail = self._bufs[which], self._grads[which], self._tails[which]
         batch = self.order.batch(step)
         lo, hi = shard_bounds(len(batch), self._world, self._pos)
         indices = batch[lo:hi]
@@ -339,18 +388,17 @@ class Trainer(Actor):
             loss_sum, correct = self.workload.loss_sum(self.model, inputs.to(self.device), targets.to(self.device))
             loss_sum.backward()
             loss_value = loss_sum.detach().item()
-        grads = buf[: self._n]
         if not self._direct:
             self._gather_grads(grads)
         if take_nan():
             grads[0] = float("nan")
         sum_sq, nonfinite = _grad_health([grads])
         self._local_nonfinite = nonfinite > 0
-        stats = self._stats
-        stats[0], stats[1], stats[2], stats[3] = loss_value, float(len(indices)), float(correct or 0), float(nonfinite)
-        buf[self._n :].copy_(stats)
+        stats = self._stats_np  # a numpy view of a CPU tensor: four assignments cost no torch call
+        stats[0], stats[1], stats[2], stats[3] = loss_value, len(indices), correct or 0, nonfinite
+        tail.copy_(self._stats)
         self._all_reduce(buf, step, split)
-        loss_total, count, correct_total, nonfinite_total = buf[self._n :].tolist()
+        loss_total, count, correct_total, nonfinite_total = tail.tolist()
         if nonfinite_total > 0 or not math.isfinite(loss_total):
             return None
         grads.div_(count)
