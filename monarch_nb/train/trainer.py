@@ -221,7 +221,7 @@ class Trainer(Actor):
         self._tails = [buf[self._n :] for buf in self._bufs]
         self._stats = torch.zeros(_STATS, dtype=torch.float32)
         self._stats_np = self._stats.numpy()
-        self._step_ms_avg = 1.0
+        self._step_ms_avg: float | None = None
         self._local_nonfinite = False
         self._kill_in_collective_at: int | None = None
         self._incoming: Incoming | None = None
@@ -350,7 +350,7 @@ class Trainer(Actor):
                                error=f"the reduced gradient of step {step} is not finite")
                     break
                 ms = (time.perf_counter() - t0) * 1e3
-                self._step_ms_avg = 0.9 * self._step_ms_avg + 0.1 * ms
+                self._step_ms_avg = ms if self._step_ms_avg is None else 0.9 * self._step_ms_avg + 0.1 * ms
                 losses.append(rec[0])
                 accuracies.append(rec[1])
                 digests.append(rec[2])

@@ -286,11 +286,12 @@ class SnapshotWriter:
     def due(self, next_step: int) -> bool:
         return next_step >= self.next_at
 
-    def capture(self, tensors: list, skeleton: dict, meta: dict, step_ms: float, t_begin: float | None = None) -> None:
+    def capture(self, tensors: list, skeleton: dict, meta: dict, step_ms: float | None,
+                t_begin: float | None = None) -> None:
         """Copy the state (``next_step = meta["next_step"]``) and publish it in the background.
 
         Args:
-            step_ms: the trainer's recent step time (for the automatic interval).
+            step_ms: the trainer's recent step time (for the automatic interval); None if unknown.
             t_begin: ``time.perf_counter()`` when the trainer began capturing (the pause's start).
 
         Raises:
@@ -329,7 +330,7 @@ class SnapshotWriter:
                          name="monarch_nb-snapshot", daemon=True).start()
 
     def _publish(self, fd: int, tmp: str, nbytes: int, skeleton: dict, meta: dict, pause_ms: float,
-                 step_ms: float) -> None:
+                 step_ms: float | None) -> None:
         cpu0 = time.thread_time()
         try:
             h = hashlib.sha256()
@@ -352,6 +353,8 @@ class SnapshotWriter:
                                        "cpu_ms": round(cpu_ms, 4), "path": self.path, "sha256": h.hexdigest()})
             if self.every > 0:
                 self.next_at = meta["next_step"] + self.every
+            elif step_ms is None:  # no step timed yet (the first snapshot): measure again soon
+                self.next_at = meta["next_step"] + 4
             else:  # keep the cost near the budget: cost / (interval * step time) = budget
                 interval = cost_ms / (self.budget * max(step_ms, 1e-3))
                 self.next_at = meta["next_step"] + max(1, int(interval + 0.999))
