@@ -17,6 +17,7 @@ demo: setup
 test: setup
 	bash scripts/install-browser.sh
 	bash scripts/install-gpu-compilers.sh
+	bash scripts/install-test-daemons.sh
 	$(PY) -m pytest -q
 
 bench: setup

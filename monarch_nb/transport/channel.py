@@ -29,11 +29,28 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import shm
+from .keys import Trust
 from .wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
 log = logging.getLogger(__name__)
+
+_authenticators: dict[int, Any] = {}
+_auth_lock = threading.Lock()
+
+
+def _start_authenticator(ctx: zmq.Context, trust: Trust) -> None:
+    """Run a ZAP handler on ``ctx`` that admits only CurveZMQ clients holding the cluster's keys."""
+    with _auth_lock:
+        if id(ctx) in _authenticators:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("monarch_nb.zap"))
+        auth.start()
+        auth.configure_curve(domain="*", location=trust.curve_dir)
+        _authenticators[id(ctx)] = auth
 
 MessageHandler = Callable[[dict, Any, list, list], None]
 
@@ -83,13 +100,34 @@ class Channel:
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
     # -- set-up ---------------------------------------------------------------------------------
-    def bind(self, address: str) -> str:
-        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://127.0.0.1:0``); return the real one."""
-        self._sock.bind(address)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        return self.address
+    def bind(self, address: str, trust: Trust | None = None) -> str:
+        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://HOST:0``); return the real one.
 
-    def connect(self, address: str) -> None:
+        With an encrypting ``trust`` this endpoint speaks CurveZMQ as the server and admits only
+        clients holding the cluster's key pair; other endpoints of the socket are unaffected
+        (ZeroMQ takes security options when an endpoint is bound). Any thread.
+        """
+        with self._lock:
+            if trust is not None and trust.encrypted:
+                _start_authenticator(self._ctx, trust)
+                self._sock.curve_secretkey = trust.curve_secret
+                self._sock.curve_publickey = trust.curve_public
+                self._sock.curve_server = True
+            try:
+                self._sock.bind(address)
+                bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            finally:
+                if trust is not None and trust.encrypted:
+                    self._sock.curve_server = False
+        self.address = self.address or bound
+        return bound
+
+    def connect(self, address: str, trust: Trust | None = None) -> None:
+        """Connect (DEALER) to ``address``; with an encrypting ``trust``, as a CurveZMQ client."""
+        if trust is not None and trust.encrypted:
+            self._sock.curve_serverkey = trust.curve_public
+            self._sock.curve_publickey = trust.curve_public
+            self._sock.curve_secretkey = trust.curve_secret
         self._sock.connect(address)
         self.address = address
 
