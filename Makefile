@@ -25,6 +25,7 @@ bench: setup
 	$(PY) bench/detection.py --with-peers
 	$(PY) bench/training.py --chaos
 	$(PY) bench/kernels.py
+	$(PY) bench/multihost.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts
