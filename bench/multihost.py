@@ -105,6 +105,16 @@ class Echo(Actor):
     def echo(self, value):
         return value
 
+    @endpoint
+    def ping_peer(self, peer, calls: int) -> list:
+        """Time ``calls`` calls from this actor to ``peer`` (an actor mesh of one), seconds each."""
+        samples = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            peer.ping.call_one().get(timeout=10)
+            samples.append(time.perf_counter() - t0)
+        return samples
+
 
 def bench_mesh(workers: list[str], ca: str, calls: int, bulk_rounds: int) -> dict:
     import torch
@@ -133,9 +143,12 @@ def bench_mesh(workers: list[str], ca: str, calls: int, bulk_rounds: int) -> dic
             back = remote.echo.call_one(tensor).get(timeout=60)
             bulk.append(time.perf_counter() - t1)
         assert torch.equal(back, tensor)
+        # actor -> actor across hosts: through the controller's hub (two hops)
+        peer_samples = echo.slice(hosts=1, gpus=0).ping_peer.call_one(remote, calls).get(timeout=600)
     finally:
         procs.stop()
     return {"attach_s": t_attach, "mesh_2x2_up_s": t_up, "call_one": summarize(samples),
+            "actor_to_actor_across_hosts": summarize(peer_samples),
             "tensor_64mib_gbps": MIB64 / statistics.median(bulk) / 1e9}
 
 
@@ -212,6 +225,9 @@ def main() -> int:
         ratio = r["call_one"]["median_us"] / floor_us
         rows.append((f"call_one to a remote proc ({mode}), us", f"{r['call_one']['median_us']:.0f}",
                      f"p95 {r['call_one']['p95_us']:.0f}", f"{ratio:.2f}x floor (target <= 2.5x)"))
+        a2a = r["actor_to_actor_across_hosts"]
+        rows.append((f"actor -> actor across hosts ({mode}), us", f"{a2a['median_us']:.0f}", f"p95 {a2a['p95_us']:.0f}",
+                     f"{a2a['median_us'] / r['call_one']['median_us']:.2f}x controller -> actor (via the hub)"))
         rows.append((f"64 MiB tensor round trip ({mode}), GB/s", f"{r['tensor_64mib_gbps']:.2f}", "",
                      f"{r['tensor_64mib_gbps'] / floor_bulk:.0%} of raw (target >= 50%)"))
         rows.append((f"2x2 mesh up and answering ({mode}), s", f"{r['mesh_2x2_up_s']:.2f}", f"attach {r['attach_s']:.2f}", ""))
