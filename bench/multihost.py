@@ -52,8 +52,11 @@ def summarize(samples_s: list[float]) -> dict:
 
 
 ECHO_SERVER = """
-import sys, zmq
+import sys, zmq, zmq.auth
 sock = zmq.Context().socket(zmq.ROUTER)
+if len(sys.argv) > 2:  # CurveZMQ server with the cluster's certificate
+    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(sys.argv[2])
+    sock.curve_server = True
 sock.bind(sys.argv[1])
 print("ready", flush=True)
 while True:
@@ -64,14 +67,21 @@ while True:
 """
 
 
-def bench_floor(cluster: NetnsCluster, calls: int, bulk_rounds: int) -> dict:
+def bench_floor(cluster: NetnsCluster, calls: int, bulk_rounds: int, curve_dir: str | None = None, port: int = 26700) -> dict:
+    """Raw pyzmq echo to a process in host 0's namespace: plain, or CurveZMQ with ``curve_dir``'s keys."""
     import zmq
 
-    address = f"tcp://{cluster.host_ip(0)}:26700"
-    server = cluster.run_in(0, [sys.executable, "-c", ECHO_SERVER, address], stdout=subprocess.PIPE, text=True)
+    from monarch_nb.transport.keys import load_trust
+
+    address = f"tcp://{cluster.host_ip(0)}:{port}"
+    argv = [sys.executable, "-c", ECHO_SERVER, address] + ([f"{curve_dir}/curve.key_secret"] if curve_dir else [])
+    server = cluster.run_in(0, argv, stdout=subprocess.PIPE, text=True)
     server.stdout.readline()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve_dir:
+        trust = load_trust(curve_dir)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = trust.curve_public, trust.curve_public, trust.curve_secret
     sock.connect(address)
     try:
         for _ in range(50):
@@ -202,6 +212,7 @@ def main() -> int:
     with_curve = NetnsCluster(2, curve).start()
     try:
         results["floor"] = bench_floor(with_curve, args.calls, args.bulk)
+        results["floor_curve"] = bench_floor(with_curve, args.calls, args.bulk, curve_dir=curve, port=26701)
         results["curve"] = bench_mesh(with_curve.addresses, curve, args.calls, args.bulk)
         Controller.get().shutdown()
         results["detection"] = bench_detection(with_curve, curve, args.trials)
@@ -219,6 +230,8 @@ def main() -> int:
     rows = [
         ("raw pyzmq round trip (floor), us", f"{floor_us:.0f}", f"p95 {results['floor']['rtt']['p95_us']:.0f}", ""),
         ("raw pyzmq 64 MiB round trip, GB/s", f"{floor_bulk:.2f}", "", ""),
+        ("raw pyzmq CurveZMQ 64 MiB round trip, GB/s", f"{results['floor_curve']['bulk_64mib_gbps']:.2f}", "",
+         "(the cost of encryption itself)"),
     ]
     for mode in ("curve", "plain"):
         r = results[mode]
