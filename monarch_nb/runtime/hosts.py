@@ -63,7 +63,7 @@ class Hosts:
         self.ctrl = controller
         self.records = controller.hosts
         self._local: LocalAgent | None = None
-        self._endpoints: dict[tuple[str, bool], str] = {}  # (controller IP, encrypted) -> its tcp endpoint
+        self._endpoints: dict[tuple[str, bytes | None], str] = {}  # (controller IP, cluster key) -> tcp endpoint
         self._links: dict[str, dict] = {}  # remote host name -> {"address", "trust", "info", "endpoint"}
         self._reattaching: set[str] = set()
         self._lock = threading.RLock()
@@ -136,7 +136,7 @@ class Hosts:
         return names
 
     def _endpoint_for(self, ip: str, trust: Trust) -> str:
-        key = (ip, trust.encrypted)  # a CurveZMQ endpoint and a plain one never share a port
+        key = (ip, trust.curve_public)  # one endpoint per cluster: its CurveZMQ keys (or plain)
         with self._lock:
             endpoint = self._endpoints.get(key)
             if endpoint is None:

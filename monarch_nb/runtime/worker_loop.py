@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from ..transport.channel import curve_server
 from ..transport.keys import Trust, load_trust, unseal
 from ..transport.wire import BadMessage, Signer, decode, encode
 from .launch import package_root, sweep_stale_run_dirs
@@ -113,14 +114,8 @@ class WorkerLoop:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if self.trust.encrypted:
-            from ..transport.channel import _start_authenticator
-
-            _start_authenticator(self.ctx, self.trust)
-            self.sock.curve_secretkey = self.trust.curve_secret
-            self.sock.curve_publickey = self.trust.curve_public
-            self.sock.curve_server = True
-        self.sock.bind(address)
+        with curve_server(self.sock, self.trust):
+            self.sock.bind(address)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.agent: subprocess.Popen | None = None
         self.run_id = ""

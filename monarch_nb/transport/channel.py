@@ -19,12 +19,14 @@ DEALER whose routing identity is their name. Identities may carry an incarnation
 from __future__ import annotations
 
 import collections
+import contextlib
+import hashlib
 import logging
 import os
 import select
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 
@@ -36,21 +38,46 @@ __all__ = ["Channel", "route_id"]
 
 log = logging.getLogger(__name__)
 
-_authenticators: dict[int, Any] = {}
+_authenticators: dict[int, tuple[Any, set]] = {}  # id(context) -> (ZAP handler, its domains)
 _auth_lock = threading.Lock()
 
 
-def _start_authenticator(ctx: zmq.Context, trust: Trust) -> None:
-    """Run a ZAP handler on ``ctx`` that admits only CurveZMQ clients holding the cluster's keys."""
+def _zap_domain(ctx: zmq.Context, trust: Trust) -> str:
+    """The ZAP domain of ``trust``'s cluster on ``ctx``: its handler admits only CurveZMQ clients
+    holding that cluster's key pair. One domain per cluster, so endpoints of different clusters
+    (two jobs with their own keys) each admit their own clients only."""
+    domain = "mnb-" + hashlib.sha256(trust.curve_public or b"").hexdigest()[:16]
     with _auth_lock:
-        if id(ctx) in _authenticators:
-            return
-        from zmq.auth.thread import ThreadAuthenticator
+        entry = _authenticators.get(id(ctx))
+        if entry is None:
+            from zmq.auth.thread import ThreadAuthenticator
 
-        auth = ThreadAuthenticator(ctx, log=logging.getLogger("monarch_nb.zap"))
-        auth.start()
-        auth.configure_curve(domain="*", location=trust.curve_dir)
-        _authenticators[id(ctx)] = auth
+            auth = ThreadAuthenticator(ctx, log=logging.getLogger("monarch_nb.zap"))
+            auth.start()
+            entry = _authenticators[id(ctx)] = (auth, set())
+        auth, domains = entry
+        if domain not in domains:
+            auth.configure_curve(domain=domain, location=trust.curve_dir)
+            domains.add(domain)
+    return domain
+
+
+@contextlib.contextmanager
+def curve_server(sock: zmq.Socket, trust: Trust | None) -> Iterator[None]:
+    """Within: endpoints bound on ``sock`` speak CurveZMQ as the server of ``trust``'s cluster
+    (ZeroMQ takes security options when an endpoint is bound); without ``trust``, plain."""
+    if trust is None or not trust.encrypted:
+        yield
+        return
+    domain = _zap_domain(sock.context, trust)
+    sock.curve_secretkey = trust.curve_secret
+    sock.curve_publickey = trust.curve_public
+    sock.curve_server = True
+    sock.zap_domain = domain.encode()
+    try:
+        yield
+    finally:  # later endpoints are plain again (the domain stays: libzmq takes no empty one, and
+        sock.curve_server = False  # its handler admits NULL-mechanism peers)
 
 MessageHandler = Callable[[dict, Any, list, list], None]
 
@@ -107,18 +134,9 @@ class Channel:
         clients holding the cluster's key pair; other endpoints of the socket are unaffected
         (ZeroMQ takes security options when an endpoint is bound). Any thread.
         """
-        with self._lock:
-            if trust is not None and trust.encrypted:
-                _start_authenticator(self._ctx, trust)
-                self._sock.curve_secretkey = trust.curve_secret
-                self._sock.curve_publickey = trust.curve_public
-                self._sock.curve_server = True
-            try:
-                self._sock.bind(address)
-                bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-            finally:
-                if trust is not None and trust.encrypted:
-                    self._sock.curve_server = False
+        with self._lock, curve_server(self._sock, trust):
+            self._sock.bind(address)
+            bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.address = self.address or bound
         return bound
 
