@@ -97,15 +97,23 @@ def test_no_stream_keeps_output_before_an_exception(mesh):
     assert tb.strip().splitlines()[-1] == "MeshCellError: 2 of 4 rank(s) failed: 1,3 (ValueError)"
 
 
-def test_errors_show_first_ranks_then_a_summary(mesh):
+def test_identical_tracebacks_are_grouped(mesh):
     ex = mesh.execute("%%mesh\nprint('almost', rank)\n{}['missing']")
     assert ex.status == "error"
     tb = ex.error["traceback"]
-    assert sum(1 for line in tb if line.endswith(":traceback]")) == 3
-    assert "1 more rank(s)" in "\n".join(tb)
+    assert [line for line in tb if line.endswith(":traceback]")] == ["[ranks 0-3:traceback]"]
+    assert sum(1 for line in tb if line.startswith("KeyError")) == 1
     assert tb[-1] == "MeshCellError: 4 of 4 rank(s) failed: 0-3 (KeyError)"
     for rank in range(4):  # streamed output before the error is there too
         assert f"[stdout:{rank}] almost {rank}" in ex.stream_text("stdout")
+
+
+def test_distinct_tracebacks_show_the_first_three_then_the_rest(mesh):
+    ex = mesh.execute("%%mesh\nraise RuntimeError(f'rank {rank} is different')")
+    tb = ex.error["traceback"]
+    assert [line for line in tb if line.endswith(":traceback]")] == ["[0:traceback]", "[1:traceback]", "[2:traceback]"]
+    assert "... 1 more rank(s) failed otherwise: 3" in tb
+    assert tb[-1] == "MeshCellError: 4 of 4 rank(s) failed: 0-3 (RuntimeError)"
 
 
 def test_group_outputs_by_type(mesh):

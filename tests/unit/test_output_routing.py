@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from monarch_nb.jupyter.cells import OutputRouter
+from monarch_nb.jupyter.routing import OutputRouter
 from monarch_nb.jupyter.worker import marker_line
 from monarch_nb.runtime.output import LineAssembler, OutputLine
 
@@ -25,7 +25,7 @@ class _Run:
         self.ended: list = []
         self.displays: list = []
 
-    def on_line(self, rank, stream, text):
+    def on_line(self, rank, stream, text, partial=False):
         self.lines.append((rank, stream, text))
 
     def on_end(self, rank, stream):
