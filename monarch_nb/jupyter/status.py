@@ -37,12 +37,12 @@ def _memory(stats: dict | None) -> str:
     return f"{format_bytes(used)} / {format_bytes(total)}"
 
 
-def _running(rec: Any, cells: dict[int, tuple[str, float]], rank: int) -> str:
+def _running(busy: dict, cells: dict[int, tuple[str, float]], rank: int) -> str:
     parts = []
     if rank in cells:
         name, seconds = cells[rank]
         parts.append(f"{name} ({seconds:.1f} s)")
-    for actor, (endpoint, seconds) in rec.busy.items():
+    for actor, (endpoint, seconds) in busy.items():
         if not actor.startswith("_mesh_"):
             parts.append(f"{actor}.{endpoint} ({seconds:.1f} s)")
     return ", ".join(parts) or "-"
@@ -50,7 +50,9 @@ def _running(rec: Any, cells: dict[int, tuple[str, float]], rank: int) -> str:
 
 def status_text(session: Any, auto_mode: bool = False) -> str:
     """The status of ``session``'s mesh: header, one row per rank, running cells, last events."""
-    stats = session.stats()
+    records = [session.controller.proc_record(session.mesh_name, rank) for rank in range(session.world_size)]
+    states = [(rec.state, rec.pid, rec.last_heartbeat, rec.alive, rec.restarts, dict(rec.busy)) for rec in records]
+    stats = session.stats()  # after reading the records: asking makes a rank busy for a moment
     now = time.monotonic()
     cells: dict[int, tuple[str, float]] = {}
     running = session.running()
@@ -62,15 +64,14 @@ def status_text(session: Any, auto_mode: bool = False) -> str:
               f"{', auto mode on (every cell runs on the ranks)' if auto_mode else ''}")
     rows = [header, f"{'rank':>4}  {'state':<10} {'pid':>7}  {'heartbeat':>9}  {'restarts':>8}  {'device':<7} "
                     f"{'memory used / total':<22} {'cpu %':>6}  {'rss':>9}  running"]
-    for rank in range(session.world_size):
-        rec = session.controller.proc_record(session.mesh_name, rank)
-        age = f"{now - rec.last_heartbeat:.1f} s" if rec.last_heartbeat and rec.alive else "-"
+    for rank, (state, pid, heartbeat, alive, restarts, busy) in enumerate(states):
+        age = f"{now - heartbeat:.1f} s" if heartbeat and alive else "-"
         st = stats.get(rank)
         cpu = f"{st['cpu_percent']:.0f}" if st else "-"
         rss = format_bytes(st["rss_bytes"]) if st else "-"
         device = st["device"] if st else "-"
-        rows.append(f"{rank:>4}  {rec.state:<10} {rec.pid:>7}  {age:>9}  {rec.restarts:>8}  {device:<7} "
-                    f"{_memory(st):<22} {cpu:>6}  {rss:>9}  {_running(rec, cells, rank)}")
+        rows.append(f"{rank:>4}  {state:<10} {pid:>7}  {age:>9}  {restarts:>8}  {device:<7} "
+                    f"{_memory(st):<22} {cpu:>6}  {rss:>9}  {_running(busy, cells, rank)}")
     if running:
         rows.append("cells running: " + ", ".join(f"{r.filename} on rank(s) {format_ranks(r.running_ranks())}" for r in running))
     rows += _events(session.controller, session.mesh_name)
@@ -86,7 +87,7 @@ def records_text(controller: Any, mesh: str, world_size: int) -> str:
     for rank in range(world_size):
         rec = controller.proc_record(mesh, rank)
         age = f"{now - rec.last_heartbeat:.1f} s" if rec.last_heartbeat and rec.alive else "-"
-        rows.append(f"{rank:>4}  {rec.state:<10} {rec.pid:>7}  {age:>9}  {rec.restarts:>8}  {_running(rec, {}, rank)}")
+        rows.append(f"{rank:>4}  {rec.state:<10} {rec.pid:>7}  {age:>9}  {rec.restarts:>8}  {_running(rec.busy, {}, rank)}")
     rows += _events(controller, mesh)
     return "\n".join(rows)
 

@@ -114,12 +114,11 @@ def pull(session: Any, name: str, ranks: list[int] | None = None, timeout_s: flo
 
 
 def _only(value: Any) -> Any:
-    """The value of a one-member ValueMesh (what ``call_one`` gives), or ``value`` itself."""
-    values = getattr(value, "values", None)
-    if callable(values):
-        listed = values()
-        if len(listed) == 1:
-            return listed[0]
+    """The value of a one-member ValueMesh (what ``call_one`` may give), or ``value`` itself."""
+    from ..actor.value_mesh import ValueMesh
+
+    if isinstance(value, ValueMesh) and len(value.values()) == 1:
+        return value.values()[0]
     return value
 
 
