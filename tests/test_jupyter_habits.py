@@ -123,27 +123,31 @@ def test_an_interrupt_during_a_local_cell_stops_background_cells(mesh, tmp_path)
     mesh.ok("%%mesh --no-block --out bg2\nimport time, os\n"
             f"while True:\n    open(os.path.join({str(tmp_path)!r}, str(rank)), 'w').write(repr(time.time()))\n"
             "    time.sleep(0.01)")
-    wait_until(lambda: len(glob.glob(f"{tmp_path}/*")) == 4, 20, message="all ranks looping")
-    msg_id = mesh.send("import time\nwhile True:\n    time.sleep(0.05)")  # a local cell keeps the kernel busy
-    time.sleep(0.3)
-    t0 = time.time()
+    wait_until(lambda: len(glob.glob(f"{tmp_path}/[0-9]")) == 4, 20, message="all ranks looping")
+    local = tmp_path / "local-started"
+    msg_id = mesh.send(f"import time\nopen({str(local)!r}, 'w').close()\nwhile True:\n    time.sleep(0.05)")
+    wait_until(local.exists, 20, message="a local cell keeping the kernel busy")
     mesh.km.interrupt_kernel()
     ex = mesh.collect(msg_id, 20)
     assert ex.status == "error" and ex.error["ename"] == "KeyboardInterrupt"
     wait_until(lambda: mesh.ok("bg2.done()").displays()[0]["text/plain"] == "True", 10, 0.05,
                message="the background cell stopped by the interrupt of another cell")
-    stamps = [float(open(p).read() or 0) for p in glob.glob(f"{tmp_path}/*")]
-    assert all(s < t0 + 2.0 for s in stamps), [s - t0 for s in stamps]
+    stamps = sorted(glob.glob(f"{tmp_path}/[0-9]"))
+    before = [open(p).read() for p in stamps]
+    time.sleep(0.2)
+    assert [open(p).read() for p in stamps] == before  # stopped on every rank
     mesh.ok("%%mesh\nassert rank in range(4)")  # the mesh serves
 
 
-def test_a_wait_keeps_the_tree_widget_answering_clicks(mesh):
+def test_a_wait_keeps_the_tree_widget_answering_clicks(mesh, tmp_path):
     ex = mesh.ok("%mesh tree")
     view = next(d["application/vnd.jupyter.widget-view+json"] for d in ex.displays()
                 if "application/vnd.jupyter.widget-view+json" in d)
+    started = tmp_path / "waiting"
     until = "Controller.get().proc_record(procs.name, 3).state in ('failed', 'restarting', 'starting')"
-    msg_id = mesh.send(f"from monarch_nb.runtime.controller import Controller\n%mesh wait --until \"{until}\" --timeout 60")
-    time.sleep(1.0)  # the cell is awaiting now; only a click can end it
+    msg_id = mesh.send(f"from monarch_nb.runtime.controller import Controller\nopen({str(started)!r}, 'w').close()\n"
+                       f"%mesh wait --until \"{until}\" --timeout 60")
+    wait_until(started.exists, 20, message="the cell running")  # from here on, only a click can end it
     mesh.send_comm(view["model_id"], {"method": "custom", "content": {"action": "fault", "kind": "kill", "mesh": "pm0", "rank": 3}})
     waited = mesh.collect(msg_id, 90)
     assert waited.status == "ok", waited.error
@@ -210,3 +214,10 @@ def test_stopped_widgets_leave_their_last_state_as_html(mesh):
     assert "application/vnd.jupyter.widget-view+json" not in frozen[-1]
     assert "rank 3" in frozen[-1]["text/html"] and "healthy" in frozen[-1]["text/plain"]
     mesh.ok("procs = %mesh start 4")
+
+
+def test_await_wait_in_python(mesh):
+    mesh.ok("%%mesh --no-block --out awaited\nimport time\ntime.sleep(0.3)")
+    mesh.ok("from monarch_nb.jupyter import wait\nassert await wait(awaited, timeout_s=30)\nassert awaited.done()")
+    ex = mesh.execute("%mesh wait --until 'False' --timeout 0.2")
+    assert ex.status == "error" and "still waiting for False after 0.2 s" in ex.stream_text("stderr") + str(ex.error)
