@@ -221,3 +221,31 @@ def test_await_wait_in_python(mesh):
     mesh.ok("from monarch_nb.jupyter import wait\nassert await wait(awaited, timeout_s=30)\nassert awaited.done()")
     ex = mesh.execute("%mesh wait --until 'False' --timeout 0.2")
     assert ex.status == "error" and "still waiting for False after 0.2 s" in ex.stream_text("stderr") + str(ex.error)
+
+
+def test_an_endpoints_progress_bar_outside_any_cell_is_redrawn_in_place(mesh):
+    ex = mesh.ok(
+        "from monarch_nb import Actor, endpoint\n"
+        "class Bar(Actor):\n"
+        "    @endpoint\n"
+        "    def go(self):\n"
+        "        import sys, time\n"
+        "        for i in range(5):\n"
+        "            sys.stderr.write(f'\\rstep {i}/5')\n"
+        "            sys.stderr.flush()\n"
+        "            time.sleep(0.15)\n"
+        "        sys.stderr.write('\\rstep 5/5\\n')\n"
+        "bars = procs.spawn('bars', Bar)\n"
+        "bars.slice(gpus=0).go.call_one().get(timeout=30)\n", 60)
+
+    def finished(outputs):
+        return any(t == "update_display_data" and c["data"]["text/plain"] == "[0] step 5/5" for t, c in outputs)
+
+    outputs = ex.outputs if finished(ex.outputs) else ex.outputs + mesh.drain(ex.msg_id, 10, until=finished)
+    created = [c for t, c in outputs if t == "display_data" and c.get("transient", {}).get("display_id")]
+    assert len(created) == 1 and created[0]["data"]["text/plain"].startswith("[0] step "), outputs
+    display_id = created[0]["transient"]["display_id"]
+    updates = [c["data"]["text/plain"] for t, c in outputs
+               if t == "update_display_data" and c["transient"]["display_id"] == display_id]
+    assert updates and updates[-1] == "[0] step 5/5", outputs
+    assert "\r" not in "".join(c.get("text", "") for t, c in outputs if t == "stream")

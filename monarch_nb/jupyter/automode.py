@@ -78,20 +78,18 @@ def _prompt_in(shell: Any) -> None:
     prompts = getattr(shell, "prompts", None)
     if prompts is None or not hasattr(prompts, "in_prompt_tokens"):
         return
-    cls = type(prompts)
-    if MODE.on and not getattr(prompts, "_mnb_marked", False):
+    marked = "in_prompt_tokens" in vars(prompts)  # our instance attribute shadows the class's method
+    if MODE.on and not marked:
         original = prompts.in_prompt_tokens
 
-        def marked(*args: Any, **kwargs: Any) -> Any:
+        def in_prompt_tokens(*args: Any, **kwargs: Any) -> Any:
             from pygments.token import Token
 
             return [(Token.Prompt, "[mesh] ")] + list(original(*args, **kwargs))
 
-        prompts.in_prompt_tokens = marked
-        prompts._mnb_marked = True
-    elif not MODE.on and getattr(prompts, "_mnb_marked", False):
-        prompts.in_prompt_tokens = cls.in_prompt_tokens.__get__(prompts)
-        prompts._mnb_marked = False
+        prompts.in_prompt_tokens = in_prompt_tokens
+    elif not MODE.on and marked:
+        del prompts.in_prompt_tokens
 
 
 def set_mode(shell: Any, on: bool, ranks: str | None = None) -> str:
