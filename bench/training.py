@@ -140,7 +140,8 @@ def heal_memory(args) -> dict:
         joiner.load_end.call_one().get(60)
         heal_s = time.monotonic() - t0
         peak = _status_kb(pid, "VmHWM") * 1024
-        same = donor.checksum.call_one(0).get(60)["params_sha256"] == joiner.checksum.call_one(0).get(60)["params_sha256"]
+        same = (donor.checksum.call_one(0).get(60)["params_checksum"]
+                == joiner.checksum.call_one(0).get(60)["params_checksum"])
     del store
     extra = max(0, peak - rss_before)
     return {"state_bytes": state_bytes, "chunks": manifest["chunks"], "donor_rss_before_bytes": rss_before,

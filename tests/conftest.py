@@ -25,6 +25,15 @@ SUITE_SETTINGS = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 1.0}
 _UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
 
 
+def pytest_ignore_collect(collection_path, config: pytest.Config):
+    """With ``-m "not cluster"``, do not even import the cluster modules (they import torch): the
+    unit tier then runs in a few seconds."""
+    if config.getoption("markexpr", "").replace(" ", "") == "notcluster" and collection_path.suffix == ".py":
+        if not str(collection_path).startswith(_UNIT_DIR) and collection_path.name != "conftest.py":
+            return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not str(item.path).startswith(_UNIT_DIR):

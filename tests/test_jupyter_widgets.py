@@ -91,13 +91,15 @@ def test_dashboard_from_synthetic_metrics():
     try:
         for step in range(60):
             dash.add_metric({"step": step, "loss": 2.0 / (step + 1), "accuracy": step / 100, "time_s": step * 0.01,
-                             "epoch": 0, "live_ranks": [0, 1, 2, 3] if step < 30 else [0, 1, 3]})
+                             "epoch": 0, "live_ranks": [0, 1, 2, 3] if step < 30 else [0, 1, 3],
+                             "grad_norm": 10.0 / (step + 1)})
         dash.add_record({"kind": "rank_failed", "step": 30, "rank": 2, "detection_ms": 35.0})
         dash.add_record({"kind": "resumed", "step": 30, "resume_ms": 120.0})
         dash.add_record({"kind": "rejoined", "step": 45, "rank": 2, "rejoin_s": 0.8})
         wait_until(lambda: dash.progress.get("step") == 60 and len(dash.figures) == 3, 5, message="the dashboard caught up")
         assert dash.progress["total"] == 100 and dash.progress["live_ranks"] == 3
         assert len(dash.metrics) == 60 and dash.metrics[-1]["loss"] == pytest.approx(2.0 / 60)
+        assert dash.metrics[-1]["grad_norm"] == dash.progress["grad_norm"] == pytest.approx(10.0 / 60)
         assert dash.figures["detection"]["median_ms"] == 35.0
         assert dash.figures["resume"]["median_ms"] == 120.0
         assert dash.figures["rejoin"]["median_ms"] == 800.0

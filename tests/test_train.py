@@ -106,6 +106,29 @@ def _check_matches_reference(run, reference, *, expect_rejoined: list[int]):
     return report
 
 
+def test_step_metrics_carry_the_largest_local_gradient_norm(reference):
+    """grad_norm of step 0, recomputed here from the same seed and shards: the largest of the ranks'
+    local gradient norms (hip_ext.grad_health on each rank, before the all-reduce)."""
+    import torch
+
+    from monarch_nb.train import get_workload
+
+    wl = get_workload("digits", seed=0)
+    wl.setup()
+    torch.manual_seed(0)
+    model = wl.build_model()
+    order = SampleOrder(wl.num_train, wl.default_batch, 0)
+    norms = []
+    for rank in range(PROCS):
+        model.zero_grad()
+        inputs, targets = wl.train_batch(order.shard(0, list(range(PROCS)), rank))
+        wl.loss_sum(model, inputs, targets)[0].backward()
+        norms.append(sum(p.grad.double().square().sum().item() for p in model.parameters()) ** 0.5)
+    assert reference.metrics[0]["grad_norm"] == pytest.approx(max(norms), rel=1e-5)
+    assert all(0 < m["grad_norm"] < float("inf") for m in reference.metrics)
+    assert len(reference.report().params_checksum) == 16  # 64 bits in hex, equal on every replica
+
+
 def test_kill_survivors_redo_the_step_and_the_rank_rejoins(reference):
     run = start("digits", procs=PROCS, steps=STEPS, seed=0, faults=["kill@8:rank=1"], **FIT)
     report = _check_matches_reference(run, reference, expect_rejoined=[1])

@@ -48,8 +48,14 @@ class Backend(Protocol):
     def mesh_stopped(self, mesh: str) -> bool:
         """True once proc mesh ``mesh`` was stopped."""
 
-    def spawn_procs(self, hosts: list[str], extent: "Extent", name: str | None) -> str:
-        """Start ``extent.nelements`` procs over ``hosts``; return the new proc mesh's name."""
+    def spawn_procs(
+        self, hosts: list[str], extent: "Extent", name: str | None, *, spares: int = 0, preload: Sequence[str] = ()
+    ) -> str:
+        """Start ``extent.nelements`` procs over ``hosts`` (and ``spares`` warm spares per host that
+        imported ``preload``); return the new proc mesh's name."""
+
+    def attach_hosts(self, workers: list[str], ca: str | None) -> list[str]:
+        """Attach the worker loops at ``workers``; return their host names."""
 
     def spawn_actors(
         self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict

@@ -84,22 +84,43 @@ class HostMesh(MeshBase):
     def _with_shape(self, shape: Shape) -> "HostMesh":
         return HostMesh(self._hosts, shape)
 
-    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str | None = None) -> "ProcMesh":
+    @property
+    def host_names(self) -> list[str]:
+        """The names of this mesh's hosts (as the supervision tree shows them), in rank order."""
+        return [self._hosts[r] for r in self._shape.ranks]
+
+    def spawn_procs(
+        self, per_host: dict[str, int] | None = None, *, name: str | None = None, spares: int = 0,
+        preload: Sequence[str] = (),
+    ) -> "ProcMesh":
         """Start worker processes on each host, ``per_host`` giving their dims (``{"gpus": 4}``).
 
-        Each proc gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and its coordinates
-        (MONARCH_NB_COORDS, JSON) in its environment; on a GPU host, one visible device each.
+        Each proc's environment is the controller's at this call plus torchrun's variables (RANK,
+        LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT of a
+        rendezvous store the controller holds) and its coordinates; on a GPU host, one visible
+        device each.
+
+        Args:
+            per_host: dims of the procs on each host, e.g. ``{"gpus": 4}``.
+            name: the proc mesh's name (default ``pm0``, ``pm1``, ...).
+            spares: warm spare procs to keep per host. A spare has already started and imported
+                ``preload``; ``restart(rank)`` hands it the rank (same rank and coordinates, new
+                pid) instead of starting a new interpreter, and a new spare is started behind it.
+            preload: modules a spare imports while it waits, e.g. ``("torch",)``.
 
         Raises:
-            ValueError: a bad ``per_host`` (dims must be identifiers with positive int sizes).
+            ValueError: a bad ``per_host`` (dims must be identifiers with positive int sizes) or
+                a negative ``spares``.
             RuntimeError: a proc failed to start; the message holds its output.
         """
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"spares must be an int >= 0, got {spares!r}")
         dims = dict(per_host or {})
         if len(self._shape.extent):
             dims = {**dict(self._shape.extent), **dims}
         extent = Extent(dims)
         hosts = [self._hosts[r] for r in self._shape.ranks]
-        return ProcMesh(backend.current().spawn_procs(hosts, extent, name), extent)
+        return ProcMesh(backend.current().spawn_procs(hosts, extent, name, spares=spares, preload=tuple(preload)), extent)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts} {dict(self.extent)}>"

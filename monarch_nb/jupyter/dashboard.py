@@ -1,4 +1,4 @@
-"""The training dashboard: progress, loss and accuracy curves with fault and recovery markers,
+"""The training dashboard: progress, loss, accuracy and gradient-norm curves with fault and recovery markers,
 an event timeline and the recovery figures (detection, resume, rejoin).
 
 One anywidget model, drawn as inline SVG by an ES module shipped as a string. It is fed plain
@@ -9,7 +9,8 @@ controller's supervision events; tests feed it synthetic dicts through :meth:`ad
 most ``max_hz`` times a second, inside ``hold_sync()``.
 
 Recognised inputs:
-    metric: ``{"step", "loss", "accuracy", "time_s", "epoch", "live_ranks"}`` (a dict with "loss").
+    metric: ``{"step", "loss", "accuracy", "time_s", "epoch", "live_ranks", "grad_norm"}`` (a dict
+        with "loss"; ``grad_norm`` is optional: the training run's largest local gradient norm).
     recovery record: ``monarch_nb.train``'s ``{"type": "recovery", "event": "failed" | "detected"
         | "resumed" | "rejoined", "kind", "rank", "step", "latency_s"}`` (latency from the fault's
         injection), or any dict with a ``kind`` and some of ``detection_ms``, ``resume_ms``,
@@ -91,12 +92,14 @@ function render({ model, el }) {
     head.append(bar, ` step ${p.step || 0}/${p.total || "?"} · ${p.status || ""}` +
       (p.loss !== undefined && p.loss !== null ? ` · loss ${Number(p.loss).toFixed(4)}` : "") +
       (p.accuracy !== undefined && p.accuracy !== null ? ` · accuracy ${(100 * p.accuracy).toFixed(1)}%` : "") +
+      (p.grad_norm !== undefined && p.grad_norm !== null ? ` · grad norm ${Number(p.grad_norm).toPrecision(3)}` : "") +
       (p.live_ranks !== undefined && p.live_ranks !== null ? ` · live ranks ${p.live_ranks}` : ""));
     root.append(head);
     const pts = model.get("metrics") || [], markers = model.get("markers") || [];
     const maxStep = Math.max(p.total || 0, ...pts.map(q => q.step), 1);
     const charts = document.createElement("div"); charts.className = "mnb-charts";
     charts.append(chart("loss", pts, "loss", markers, "#1565c0", maxStep), chart("accuracy", pts, "accuracy", markers, "#6a1b9a", maxStep));
+    if (pts.some(q => q.grad_norm !== null && q.grad_norm !== undefined)) charts.append(chart("grad norm", pts, "grad_norm", markers, "#ef6c00", maxStep));
     root.append(charts);
     const figs = model.get("figures") || {};
     const ft = document.createElement("div"); ft.className = "mnb-figures";
@@ -169,11 +172,12 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
 
     # -- feeding ----------------------------------------------------------------------------------
     def add_metric(self, metric: dict) -> None:
-        """One training step's metrics (``step``, ``loss``, ``accuracy``, ...)."""
+        """One training step's metrics (``step``, ``loss``, ``accuracy``, ``grad_norm``, ...)."""
         point = {
             "step": int(metric.get("step", len(self._metrics))),
             "loss": _num(metric.get("loss")),
             "accuracy": _num(metric.get("accuracy")),
+            "grad_norm": _num(metric.get("grad_norm")),
             "time_s": _num(metric.get("time_s")),
             "live_ranks": _live(metric.get("live_ranks")),
         }
@@ -317,7 +321,7 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
             total = self.total_steps or (last.get("step", 0) if last else 0)
             progress = {"step": last.get("step", 0) + (1 if last else 0) if last else 0, "total": total,
                         "status": self._status, "loss": last.get("loss"), "accuracy": last.get("accuracy"),
-                        "live_ranks": last.get("live_ranks")}
+                        "grad_norm": last.get("grad_norm"), "live_ranks": last.get("live_ranks")}
             if progress["total"] and progress["step"] > progress["total"]:
                 progress["step"] = progress["total"]
             markers = list(self._markers[-200:])

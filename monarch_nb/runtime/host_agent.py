@@ -1,10 +1,26 @@
-"""Host agent main: spawns this host's procs, forwards their output, reports their exits at once.
+"""Host agent main: spawns this host's procs, keeps warm spares, forwards output, reports exits at once.
 
 Runs in the host agent process, started by the controller as ``python -m
 monarch_nb.runtime.host_agent <name>`` (environment: :class:`~.protocol.AgentEnv`). It is the parent
 of every proc on its host, so it learns of a proc's death from the OS (SIGCHLD -> waitpid) with
 no polling, and it owns the procs' stdout/stderr pipes, so output written just before a crash is
 still read and forwarded — before the exit report, on the same socket, so in order.
+
+What only the host can know goes into its heartbeat (:class:`~.protocol.AgentHeartbeatHeader`):
+which procs the OS reports *stopped* (SIGSTOP: hung, whatever they were doing — an import does
+not hide it) and how loaded the host is (runnable procs per core), so the controller does not
+mistake a starved proc for a hung one.
+
+Rules it keeps:
+
+- One incarnation per rank: before starting a proc it kills (and reaps) any live process of the
+  same identity.
+- Warm spares: for a mesh that asks (``keep_spares``), it keeps N procs started ahead of need,
+  which imported the mesh's ``preload`` modules and wait for a spec on their stdin. Restarting a
+  rank of that mesh hands the spec to a ready spare (same rank and coordinates, new pid: no
+  interpreter start, no ``import torch``) and starts a replacement in the background.
+- Heavy imports take a slot: at most one proc per core imports torch (or another heavy module) at
+  a time (lock files in the agent's folder), so 64 procs on 2 cores do not thrash for minutes.
 
 It exits, taking its procs with it (they have PR_SET_PDEATHSIG), when its controller goes away:
 checked every ``orphan_check_s`` through the parent pid.
@@ -16,86 +32,166 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import device
 from ..transport import shm
 from ..transport.channel import Channel
+from ..transport.keys import load_trust
 from ..transport.wire import Signer
+from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .protocol import CONTROLLER, AgentEnv, Kind, ProcEnv
 
 log = logging.getLogger("monarch_nb.host_agent")
 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP, "SIGCONT": signal.SIGCONT, "SIGTERM": signal.SIGTERM, "SIGSEGV": signal.SIGSEGV, "SIGINT": signal.SIGINT}
+#: Spares that die this many times in a row, each within SPARE_MIN_LIFE_S of its start, are not replaced.
+SPARE_MAX_QUICK_DEATHS = 3
+SPARE_MIN_LIFE_S = 5.0
 
 
 @dataclass
 class ChildProc:
-    identity: str
+    """A process this agent started: a rank's proc, or a warm spare (``identity`` None until used)."""
+
+    identity: str | None
     rank: int
     popen: subprocess.Popen
+    mesh: str = ""
     fds: dict = field(default_factory=dict)  # fd -> stream name
     seq: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    ready_fd: int = -1  # a spare writes one byte here once its preload is done
+    ready: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class SparePool:
+    """What the controller asked to keep for one mesh (the JSON body of ``keep_spares``)."""
+
+    mesh: str
+    count: int
+    preload: list
+    base_env: dict
+    proc_env: dict  # ProcEnv fields shared by the mesh's procs (controller, run_id, extent, ...)
+    cwd: str | None
+    quick_deaths: int = 0
 
 
 class HostAgent:
     def __init__(self, name: str, env: AgentEnv):
         self.name = name
         self.env = env
-        self.channel = Channel(f"{name}#{os.getpid()}", Signer(bytes.fromhex(env.key_hex)), self._on_message)
+        key = bytes.fromhex(env.key_hex)
+        self.trust = load_trust(env.curve_dir).with_key(key) if env.curve_dir else None
+        self._terminate = False
+        self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
+        self.inventory = device.detect_gpus()
+        self.controller_seen = time.monotonic()
         self._handlers = {
             Kind.SPAWN_PROCS: lambda header, body: [self._spawn(spec) for spec in json.loads(bytes(body))],
             Kind.SIGNAL: lambda header, body: self._signal(header["proc"], header["signal"]),
+            Kind.KEEP_SPARES: lambda header, body: self._keep_spares(json.loads(bytes(body))),
             Kind.SHUTDOWN: lambda header, body: self.shutdown(),
+            Kind.CONTROLLER_HEARTBEAT: lambda header, body: None,  # any message counts (see _on_message)
         }
         self.children: dict[int, ChildProc] = {}  # pid -> child
+        self.pools: dict[str, SparePool] = {}  # mesh -> what to keep
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        sweep_stale_run_dirs()  # of agents killed before they could clean up
+        self.folder = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-agent-")
         self._sigchld_r, self._sigchld_w = os.pipe()
         os.set_blocking(self._sigchld_r, False)
         os.set_blocking(self._sigchld_w, False)
 
     # -- messages from the controller ----------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
+        self.controller_seen = time.monotonic()
         handler = self._handlers.get(header["kind"])
         if handler is None:
             log.warning("unknown message kind %r from %s", header["kind"], header["src"])
             return
         handler(header, body)
 
-    def _spawn(self, spec: dict) -> None:
-        """Start one proc from its spec (see :func:`monarch_nb.runtime.launch.proc_specs`)."""
-        proc_env = ProcEnv.from_json(spec["env"])
+    def _host_env(self, proc_env: ProcEnv) -> ProcEnv:
+        """Add what only this host knows to a proc's environment."""
         proc_env.key_hex = self.env.key_hex
         proc_env.agent_pid = os.getpid()
+        proc_env.import_lock_dir = self.folder
+        proc_env.import_slots = self.cores
+        proc_env.curve_dir = self.env.curve_dir
+        if proc_env.rank >= 0:
+            proc_env.extra.update(device.visibility_env(proc_env.local_rank, self.inventory))
+        # collectives leave through the interface that reaches the controller (lo on one host)
+        proc_env.extra.setdefault("GLOO_SOCKET_IFNAME", self.env.iface)
+        proc_env.extra.setdefault("NCCL_SOCKET_IFNAME", self.env.iface)
+        return proc_env
+
+    def _spawn(self, spec: dict) -> None:
+        """Start one proc from its spec (see :func:`monarch_nb.runtime.launch.proc_specs`), on a
+        ready warm spare of its mesh when there is one."""
+        identity = spec["identity"]
+        self._end_incarnations(identity)
+        mesh = identity.rsplit(".", 1)[0]
+        spare = next((c for c in self.children.values() if c.identity is None and c.mesh == mesh and c.ready), None)
+        if spare is not None and self._assign(spare, spec):
+            self._refill(mesh)
+            return
+        proc_env = self._host_env(ProcEnv.from_json(spec["env"]))
         base = spec.get("base_env")
         env = dict(base) if base is not None else dict(os.environ)
         env.update(proc_env.to_env())
         env["PYTHONUNBUFFERED"] = "1"
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "monarch_nb.proc_main", spec["identity"]],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a terminal's Ctrl-C goes to the controller, not to workers
-                cwd=spec.get("cwd") or None,
-            )
+            popen = self._popen([identity], env, spec.get("cwd"))
         except OSError as exc:
-            self.channel.send(CONTROLLER, {"kind": Kind.PROC_EXITED, "proc": spec["identity"], "pid": 0, "returncode": 127,
+            self.channel.send(CONTROLLER, {"kind": Kind.PROC_EXITED, "proc": identity, "pid": 0, "returncode": 127,
                                            "signal": None, "detail": f"could not start: {exc}"})
             return
-        child = ChildProc(spec["identity"], spec["rank"], popen)
-        for stream, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
+        self._adopt(ChildProc(identity, spec["rank"], popen, mesh))
+        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": identity, "pid": popen.pid})
+
+    def _popen(self, args: list[str], env: dict, cwd: str | None, pass_fds: tuple = ()) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "monarch_nb.proc_main", *args],
+            env=env,
+            stdin=subprocess.PIPE if pass_fds else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C goes to the controller, not to workers
+            cwd=cwd or None,
+            pass_fds=pass_fds,
+        )
+
+    def _adopt(self, child: ChildProc) -> None:
+        for stream, pipe in (("stdout", child.popen.stdout), ("stderr", child.popen.stderr)):
             fd = pipe.fileno()
             os.set_blocking(fd, False)
             child.fds[fd] = stream
             self.channel.add_reader(fd, self._read_output)
-        self.children[popen.pid] = child
-        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": spec["identity"], "pid": popen.pid})
+        self.children[child.popen.pid] = child
+
+    def _end_incarnations(self, identity: str) -> None:
+        """Kill and reap every live process of ``identity``: never two incarnations of one rank."""
+        for pid, child in list(self.children.items()):
+            if child.identity != identity:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            self._forget(pid, child, report=True, status=-signal.SIGKILL)
 
     def _signal(self, identity: str, signame: str) -> None:
         for pid, child in self.children.items():
@@ -104,6 +200,78 @@ class HostAgent:
                     os.kill(pid, SIGNALS[signame])
                 except ProcessLookupError:
                     pass
+
+    # -- warm spares ---------------------------------------------------------------------------------
+    def _keep_spares(self, spec: dict) -> None:
+        mesh = spec["mesh"]
+        if spec["count"] <= 0:
+            self.pools.pop(mesh, None)
+            for pid, child in list(self.children.items()):
+                if child.identity is None and child.mesh == mesh:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return
+        self.pools[mesh] = SparePool(mesh, spec["count"], list(spec.get("preload", [])), spec["base_env"],
+                                     spec["proc_env"], spec.get("cwd"))
+        self._refill(mesh)
+
+    def _spares(self, mesh: str) -> list[ChildProc]:
+        return [c for c in self.children.values() if c.identity is None and c.mesh == mesh]
+
+    def _refill(self, mesh: str) -> None:
+        pool = self.pools.get(mesh)
+        if pool is None:
+            return
+        while len(self._spares(mesh)) < pool.count and pool.quick_deaths < SPARE_MAX_QUICK_DEATHS:
+            proc_env = self._host_env(ProcEnv.from_json({**pool.proc_env, "rank": -1}))
+            env = dict(pool.base_env)
+            env.update(proc_env.to_env())
+            env["PYTHONUNBUFFERED"] = "1"
+            ready_r, ready_w = os.pipe()
+            try:
+                popen = self._popen(["--spare", str(ready_w), *pool.preload], env, pool.cwd, pass_fds=(ready_w,))
+            except OSError as exc:
+                log.warning("could not start a spare for %s: %s", mesh, exc)
+                os.close(ready_r)
+                os.close(ready_w)
+                return
+            os.close(ready_w)
+            child = ChildProc(None, -1, popen, mesh, ready_fd=ready_r)
+            self._adopt(child)
+            os.set_blocking(ready_r, False)
+            self.channel.add_reader(ready_r, self._on_spare_ready)
+        self._report_spares(mesh)
+
+    def _on_spare_ready(self, fd: int) -> None:
+        self.channel.remove_reader(fd)
+        child = next((c for c in self.children.values() if c.ready_fd == fd), None)
+        try:
+            os.read(fd, 16)
+        except OSError:
+            pass
+        os.close(fd)
+        if child is not None:
+            child.ready_fd = -1
+            child.ready = True
+            self._report_spares(child.mesh)
+
+    def _assign(self, spare: ChildProc, spec: dict) -> bool:
+        """Hand ``spec`` to ``spare``: it becomes the rank's proc. False if it could not take it."""
+        try:
+            spare.popen.stdin.write(json.dumps(spec).encode() + b"\n")
+            spare.popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            return False
+        spare.identity, spare.rank = spec["identity"], spec["rank"]
+        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": spare.identity, "pid": spare.popen.pid, "spare": True})
+        self._report_spares(spare.mesh)
+        return True
+
+    def _report_spares(self, mesh: str) -> None:
+        spares = [{"pid": c.popen.pid, "ready": c.ready} for c in self._spares(mesh)]
+        self.channel.send(CONTROLLER, {"kind": Kind.SPARES, "mesh": mesh, "spares": spares})
 
     # -- output --------------------------------------------------------------------------------------
     def _child_of_fd(self, fd: int) -> ChildProc | None:
@@ -120,7 +288,8 @@ class HostAgent:
         self._drain(child, fd)
 
     def _drain(self, child: ChildProc, fd: int) -> None:
-        """Read and forward everything buffered in ``fd``; close it at EOF."""
+        """Read and forward everything buffered in ``fd``; close it at EOF. A spare's output
+        before it takes a rank (warnings of its preload) is dropped."""
         stream = child.fds[fd]
         while True:
             try:
@@ -134,8 +303,13 @@ class HostAgent:
             if not data:
                 self.channel.remove_reader(fd)
                 del child.fds[fd]
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
                 return
+            if child.identity is None:
+                continue
             child.seq[stream] += 1
             self.channel.send(
                 CONTROLLER,
@@ -159,28 +333,69 @@ class HostAgent:
                 return
             if pid == 0:
                 return
-            child = self.children.pop(pid, None)
-            if child is None:
-                continue
-            for fd in list(child.fds):  # output written before death goes out before the exit report
-                self._drain(child, fd)
-            for fd in list(child.fds):  # a grandchild may hold the pipe: stop reading it
-                self.channel.remove_reader(fd)
+            child = self.children.get(pid)
+            if child is not None:
+                self._forget(pid, child, report=True, status=os.waitstatus_to_exitcode(status))
+
+    def _forget(self, pid: int, child: ChildProc, *, report: bool, status: int) -> None:
+        """``child`` exited with ``status``: forward its last output, then report the exit."""
+        self.children.pop(pid, None)
+        for fd in list(child.fds):  # output written before death goes out before the exit report
+            self._drain(child, fd)
+        for fd in list(child.fds):  # a grandchild may hold the pipe: stop reading it
+            self.channel.remove_reader(fd)
+            try:
                 os.close(fd)
-            child.fds.clear()
-            returncode = os.waitstatus_to_exitcode(status)
-            child.popen.returncode = returncode
-            signame = signal.Signals(-returncode).name if returncode < 0 else None
+            except OSError:
+                pass
+        child.fds.clear()
+        if child.ready_fd >= 0:
+            self.channel.remove_reader(child.ready_fd)
+            os.close(child.ready_fd)
+            child.ready_fd = -1
+        child.popen.returncode = status
+        if child.identity is None:  # a spare died before it was used: replace it (not a storm)
+            pool = self.pools.get(child.mesh)
+            if pool is not None:
+                quick = time.monotonic() - child.started_at < SPARE_MIN_LIFE_S
+                pool.quick_deaths = pool.quick_deaths + 1 if quick else 0
+                if pool.quick_deaths == SPARE_MAX_QUICK_DEATHS:
+                    log.warning("spares of %s keep dying at start (exit %s); not replacing them", child.mesh, status)
+                self._refill(child.mesh)
+            else:
+                self._report_spares(child.mesh)
+            return
+        if report:
+            signame = signal.Signals(-status).name if status < 0 else None
             self.channel.send(
                 CONTROLLER,
-                {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": returncode, "signal": signame, "time": time.time()},
+                {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": status, "signal": signame,
+                 "time": time.time()},
             )
 
+    # -- what the OS says ----------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        stopped, runnable = [], 0
+        for pid, child in list(self.children.items()):
+            state = _os_state(pid)
+            if state in ("T", "t") and child.identity is not None:
+                stopped.append(child.identity)
+            elif state == "R":
+                runnable += 1
+        self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped})
+
     def _check_parent(self) -> None:
-        if self.env.controller_pid and os.getppid() != self.env.controller_pid:
+        """Exit (taking the procs along) when the controller is gone: the parent pid of a local
+        agent, the controller's heartbeats for a remote one."""
+        if self._terminate or (self.env.controller_pid and os.getppid() != self.env.controller_pid):
+            self.shutdown()
+        if self.env.controller_timeout_s and time.monotonic() - self.controller_seen > self.env.controller_timeout_s:
+            log.warning("controller %s silent for %.1f s: killing this host's procs", self.env.controller,
+                        time.monotonic() - self.controller_seen)
             self.shutdown()
 
     def shutdown(self) -> None:
+        self.pools.clear()
         for pid in list(self.children):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -193,18 +408,30 @@ class HostAgent:
         self.channel.close()
         if self.env.run_id:  # files of messages that were never received (their receiver died)
             shm.remove_orphans(self.env.run_id)
+        shutil.rmtree(self.folder, ignore_errors=True)
         os._exit(0)
 
     def main(self) -> None:
         signal.set_wakeup_fd(self._sigchld_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_terminate", True))  # acted on by the next check
         self.channel.add_reader(self._sigchld_r, self._on_sigchld)
-        self.channel.connect(self.env.controller)
+        self.channel.connect(self.env.controller, self.trust)
         self.channel.every(self.env.orphan_check_s, self._check_parent)
+        self.channel.every(self.env.heartbeat_interval_s, self._heartbeat)
         self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HELLO, "pid": os.getpid(), "host": self.name})
         self._check_parent()
         self.channel.run_forever()
+
+
+def _os_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (R running, S sleeping, T stopped, Z zombie, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return "?"
 
 
 def main() -> None:

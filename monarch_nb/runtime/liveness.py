@@ -73,6 +73,9 @@ class Liveness:
     def on_exit(self, rec: ProcRecord, header: dict) -> None:
         ctrl = self.ctrl
         ctrl.flush_output(rec)
+        if rec.state == ProcState.FAILED and rec.failure is not None and rec.failure.cause == "host_lost":
+            rec.exit_info = {**(rec.exit_info or {}), "returncode": header["returncode"], "signal": header.get("signal")}
+            return  # a proc of a lost host, fenced when its host came back: already failed
         rec.exit_info = {"returncode": header["returncode"], "signal": header.get("signal")}
         rec.busy = {}
         rec.paused = []
@@ -96,13 +99,29 @@ class Liveness:
         self.fail_proc(rec, cause, detail, signame)
 
     # -- timer (IO thread) ----------------------------------------------------------------------
+    def allowance_s(self, rec: ProcRecord) -> float:
+        """How long ``rec`` may be silent before it is hung (seconds).
+
+        ``hang_timeout_s``, stretched by its host's load (runnable procs per core, at most 8x: a
+        starved proc is late, not hung) and raised to ``import_grace_s`` while it announces a heavy
+        import. A proc its host agent reports *stopped* (SIGSTOP) gets ``hang_timeout_s`` alone:
+        the OS says it is frozen, whatever it was doing.
+        """
+        if rec.os_stopped:
+            return config.hang_timeout_s
+        host = self.ctrl.hosts.get(rec.host)
+        allowed = config.hang_timeout_s * min(8.0, max(1.0, host.load if host is not None else 1.0))
+        return max(allowed, config.import_grace_s) if rec.loading else allowed
+
     def check_heartbeats(self) -> None:
         """Report procs silent past their allowance hung; fence them (SIGKILL) if configured."""
         ctrl = self.ctrl
         now = time.monotonic()
+        silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat > 2 * config.heartbeat_interval_s}
         for rec in list(ctrl.procs.values()):
-            allowed_s = max(config.hang_timeout_s, config.import_grace_s) if rec.loading else config.hang_timeout_s
-            if rec.serving and now - rec.last_heartbeat > allowed_s:
+            if rec.host in silent_hosts:
+                continue  # its whole host is silent: a lost host (decided by the host check), not a hang
+            if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):
                 rec.state = ProcState.HUNG
                 silent = now - rec.last_heartbeat
                 ctrl.record_event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
@@ -111,6 +130,23 @@ class Liveness:
                     rec.fenced = True
                     ctrl.signal_proc(rec.identity, "SIGKILL")
                     ctrl.record_event("proc_fenced", rec, detail="SIGKILL after hang", cause="fencing")
+
+    def host_lost(self, host: str, why: str) -> None:
+        """Every proc of ``host`` failed with cause ``host_lost`` (its agent is silent or gone)."""
+        ctrl = self.ctrl
+        for rec in list(ctrl.procs.values()):
+            if rec.host != host or rec.state in (ProcState.FAILED, ProcState.STOPPED):
+                continue
+            stopping = rec.state == ProcState.STOPPING
+            rec.state = ProcState.STOPPED if stopping else ProcState.FAILED
+            rec.exit_info = {"returncode": None, "signal": None, "host_lost": True}
+            rec.busy, rec.paused = {}, []
+            if stopping:
+                continue
+            detail = f"host {host} lost: {why}"
+            ctrl.record_event("proc_exited", rec, detail=detail, cause="host_lost")
+            self.fail_proc(rec, "host_lost", detail, None)
+            rec.ready.set()
 
     # -- failure and recovery -------------------------------------------------------------------
     def fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:
@@ -145,7 +181,8 @@ class Liveness:
                 rec.ready.set()
                 return
             self._tell_recovered(rec, include_starting=True)
-            ctrl.record_event("proc_restarted", rec, detail=f"pid {rec.pid}, restart {rec.restarts}", cause="restart")
+            spare = " (a warm spare)" if rec.on_spare else ""
+            ctrl.record_event("proc_restarted", rec, detail=f"pid {rec.pid}{spare}, restart {rec.restarts}", cause="restart")
             rec.ready.set()
 
         threading.Thread(target=finish, name="respawn", daemon=True).start()

@@ -57,8 +57,15 @@ class Kind(str, Enum):
     SPAWN_PROCS = "spawn_procs"  # start procs (JSON list of proc specs as the body)
     SIGNAL = "signal"  # send a signal to a proc (SignalHeader)
     SHUTDOWN = "shutdown"  # kill every proc and exit
+    KEEP_SPARES = "keep_spares"  # keep N warm spare procs for a mesh (JSON SparesSpec body; count 0 retires them)
+    CONTROLLER_HEARTBEAT = "ctrl_hb"  # the controller is alive (to remote host agents)
+    # controller <-> worker loop (a remote host waiting for a controller)
+    ATTACH = "attach"  # become my host (AttachHeader), signed with the cluster key
+    ATTACHED = "attached"  # the answer (AttachedHeader)
     # host agent -> controller
     AGENT_HELLO = "agent_hello"  # the agent is up (AgentHelloHeader)
+    AGENT_HEARTBEAT = "agent_hb"  # the agent is alive; what the OS says of its procs (AgentHeartbeatHeader)
+    SPARES = "spares"  # the warm spares of a mesh now (SparesHeader)
     PROC_SPAWNED = "proc_spawned"  # a proc process exists (ProcSpawnedHeader)
     PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
@@ -126,9 +133,43 @@ class AgentHelloHeader(TypedDict):
     host: str
 
 
-class ProcSpawnedHeader(TypedDict):
+class AttachHeader(TypedDict):
+    controller: str  # the address the host agent and its procs connect to
+    run_id: str  # the controller's run (the same run may attach a host it lost again)
+    name: str  # the host's name in the tree
+    time: float  # wall clock when sent (stale attaches are refused)
+    nonce: str  # hex; never accepted twice
+    sealed_key: str  # the controller's session key, sealed with the cluster key (transport.keys.seal)
+    heartbeat_interval_s: float
+    controller_timeout_s: float  # the agent kills its procs when the controller is silent this long
+
+
+class AttachedHeader(TypedDict, total=False):
+    ok: bool
+    error: str
+    host: str
+    pid: int  # the host agent's
+    hostname: str
+    ip: str  # the host's address on the interface that reaches the controller
+    iface: str  # that interface's name
+    cores: int
+    gpus: dict  # {"vendor", "count"}
+
+
+class AgentHeartbeatHeader(TypedDict):
+    load: float  # runnable procs of this host per core (1.0: every core busy)
+    stopped: list  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
+
+
+class SparesHeader(TypedDict):
+    mesh: str
+    spares: list  # [{"pid": int, "ready": bool}]
+
+
+class ProcSpawnedHeader(TypedDict, total=False):
     proc: str
     pid: int
+    spare: bool  # a warm spare took the rank's place
 
 
 class ProcExitedHeader(TypedDict, total=False):
@@ -226,6 +267,10 @@ class ProcEnv:
         sys_path: the controller's ``sys.path``, prepended in the proc so user modules import.
         key_hex: the cluster key (popped from the environment when read).
         agent_pid: the host agent's pid (the proc exits if its parent is not this pid).
+        import_lock_dir: where the host's import slots live ("" for none): at most
+            ``import_slots`` procs of a host import a heavy module (torch) at once.
+        import_slots: how many heavy imports may run at once on the host.
+        curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
         extra: further variables, verbatim (per-rank device visibility, MASTER_ADDR, ...).
     """
 
@@ -242,6 +287,9 @@ class ProcEnv:
     sys_path: list = field(default_factory=list)
     key_hex: str = ""
     agent_pid: int = 0
+    import_lock_dir: str = ""
+    import_slots: int = 0
+    curve_dir: str = ""
     extra: dict = field(default_factory=dict)
 
     def to_env(self) -> dict[str, str]:
@@ -264,6 +312,11 @@ class ProcEnv:
             env[_PREFIX + "KEY"] = self.key_hex
         if self.agent_pid:
             env[_PREFIX + "AGENT_PID"] = str(self.agent_pid)
+        if self.import_lock_dir:
+            env[_PREFIX + "IMPORT_LOCK_DIR"] = self.import_lock_dir
+            env[_PREFIX + "IMPORT_SLOTS"] = str(self.import_slots)
+        if self.curve_dir:
+            env[_PREFIX + "CURVE_DIR"] = self.curve_dir
         return env
 
     def to_json(self) -> dict:
@@ -294,6 +347,9 @@ class ProcEnv:
             sys_path=json.loads(_read(environ, "SYS_PATH", "[]")),
             key_hex=environ.pop(_PREFIX + "KEY", ""),
             agent_pid=int(_read(environ, "AGENT_PID", "0")),
+            import_lock_dir=_read(environ, "IMPORT_LOCK_DIR", ""),
+            import_slots=int(_read(environ, "IMPORT_SLOTS", "0")),
+            curve_dir=_read(environ, "CURVE_DIR", ""),
         )
 
 
@@ -307,6 +363,11 @@ class AgentEnv:
         controller_pid: the agent exits when its parent is no longer this pid (0: no check).
         run_id: the run's id for same-host shared-memory buffers ("" when none).
         orphan_check_s: how often the agent checks its parent, seconds.
+        heartbeat_interval_s: seconds between the agent's heartbeats.
+        controller_timeout_s: a remote agent kills its procs and exits when the controller is
+            silent this long (0: no check; a local agent watches its parent pid instead).
+        curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
+        iface: the network interface that reaches the controller (procs' GLOO/NCCL_SOCKET_IFNAME).
     """
 
     controller: str
@@ -314,6 +375,10 @@ class AgentEnv:
     controller_pid: int = 0
     run_id: str = ""
     orphan_check_s: float = 0.1
+    heartbeat_interval_s: float = 0.25
+    controller_timeout_s: float = 0.0
+    curve_dir: str = ""
+    iface: str = "lo"
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -322,6 +387,10 @@ class AgentEnv:
             _PREFIX + "CONTROLLER_PID": str(self.controller_pid),
             _PREFIX + "RUN_ID": self.run_id,
             _PREFIX + "ORPHAN_CHECK_S": repr(float(self.orphan_check_s)),
+            _PREFIX + "HEARTBEAT_INTERVAL_S": repr(float(self.heartbeat_interval_s)),
+            _PREFIX + "CONTROLLER_TIMEOUT_S": repr(float(self.controller_timeout_s)),
+            _PREFIX + "CURVE_DIR": self.curve_dir,
+            _PREFIX + "IFACE": self.iface,
         }
 
     @classmethod
@@ -337,4 +406,8 @@ class AgentEnv:
             controller_pid=int(_read(environ, "CONTROLLER_PID", "0")),
             run_id=_read(environ, "RUN_ID", ""),
             orphan_check_s=float(_read(environ, "ORPHAN_CHECK_S", repr(cls.orphan_check_s))),
+            heartbeat_interval_s=float(_read(environ, "HEARTBEAT_INTERVAL_S", repr(cls.heartbeat_interval_s))),
+            controller_timeout_s=float(_read(environ, "CONTROLLER_TIMEOUT_S", "0")),
+            curve_dir=_read(environ, "CURVE_DIR", ""),
+            iface=_read(environ, "IFACE", "lo"),
         )

@@ -81,6 +81,9 @@ class ProcRecord:
         ready: set when it serves (after hello, and after a restart's actors are respawned).
         started_at: ``time.monotonic()`` of this incarnation's hello.
         failure: the supervision Failure of this incarnation, once it failed.
+        os_stopped: the host agent reports the process stopped (SIGSTOP): hung, even mid-import.
+        restart_lock: held while the proc is being restarted (one restart at a time).
+        on_spare: this incarnation is a warm spare that took the rank.
     """
 
     identity: str
@@ -103,6 +106,9 @@ class ProcRecord:
     ready: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
     failure: Any = None
+    os_stopped: bool = False
+    restart_lock: threading.Lock = field(default_factory=threading.Lock)
+    on_spare: bool = False
 
     @property
     def alive(self) -> bool:
@@ -155,6 +161,11 @@ class HostRecord:
         pid: its pid (0 until it said hello).
         ready: set once it said hello.
         started_at: ``time.monotonic()`` when it was started.
+        last_heartbeat: ``time.monotonic()`` of its last heartbeat (0 before the first).
+        load: runnable procs per core on the host, from its last heartbeat.
+        spares: proc mesh -> its warm spares here, ``[{"pid", "ready"}]``.
+        address: a remote host's worker address (``tcp://HOST:PORT``); "" for this machine.
+        detail: what an attached host said of itself (hostname, ip, iface, cores, gpus).
     """
 
     name: str
@@ -162,3 +173,8 @@ class HostRecord:
     pid: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     started_at: float = field(default_factory=time.monotonic)
+    last_heartbeat: float = 0.0
+    load: float = 0.0
+    spares: dict = field(default_factory=dict)
+    address: str = ""
+    detail: dict = field(default_factory=dict)

@@ -7,7 +7,8 @@ objects), so a widget can diff two snapshots and a test can assert on one. ``pro
 ===================  ===========================================================================
 key                  meaning
 ===================  ===========================================================================
-kind                 "controller", "host", "proc" or "actor"
+kind                 "controller", "host", "proc", "actor", or "spare" (a warm spare proc under its
+                     host, waiting to take a failed rank's place)
 name                 "controller", the host agent's name, the proc's identity ("pm0.3"), the actor
                      mesh's name
 state                starting, healthy, busy, paused (a user holds it at breakpoint(); never fenced),
@@ -88,6 +89,13 @@ def snapshot(
             "host", host.name, host.state, host.pid, uptime_s=round(now - host.started_at, 3) if running else None,
         )
         root["children"].append(host_nodes[host.name])
+        for spare_mesh, spares in list(host.spares.items()):
+            if mesh is not None and spare_mesh != mesh:
+                continue
+            for spare in spares:
+                state = ProcState.HEALTHY if spare["ready"] else ProcState.STARTING
+                host_nodes[host.name]["children"].append(
+                    _node("spare", f"spare {spare_mesh} pid {spare['pid']}", state, spare["pid"], mesh=spare_mesh))
     for name, record in list(meshes.items()):
         if mesh is not None and name != mesh:
             continue

@@ -14,7 +14,8 @@ live rank of the current membership epoch and waits for all replies. Then:
 
 At each step boundary, ranks whose restart finished are healed from a live donor (state streamed
 in chunks through the controller, SHA-256 checked), a new epoch including them is formed, and all
-replicas' parameter checksums are compared. The rendezvous TCPStore lives here, in the controller.
+replicas' parameter checksums (``hip_ext.checksum`` per tensor) are compared. The rendezvous
+TCPStore lives here, in the controller.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class TrainingRun:
     Attributes:
         metrics: one dict per committed step: ``{"type": "step", "step", "loss", "accuracy"
             (batch accuracy or None), "time_s" (since training began), "epoch", "live_ranks",
-            "step_ms"}`` plus ``"test_accuracy"``/``"test_loss"`` on evaluation steps.
+            "step_ms", "grad_norm" (the largest L2 norm of a live rank's local gradient, before
+            averaging)}`` plus ``"test_accuracy"``/``"test_loss"`` on evaluation steps.
         recoveries: one dict per recovery event: ``{"type": "recovery", "event": "failed" |
             "detected" | "resumed" | "rejoined", "kind", "rank", "step", "latency_s", "time_s"}``.
         ledger: the :class:`~monarch_nb.train.data.SampleLedger`.
@@ -414,7 +416,7 @@ class TrainingRun:
         first = values[live[0]]
         metric = {"type": "step", "step": step, "loss": first["loss"], "accuracy": first["accuracy"],
                   "time_s": round(t1 - self._t_train0, 4), "epoch": epoch, "live_ranks": list(live),
-                  "step_ms": round((t1 - t0) * 1e3, 3)}
+                  "step_ms": round((t1 - t0) * 1e3, 3), "grad_norm": max(v["grad_norm"] for v in values.values())}
         if o.eval_every and ((step + 1) % o.eval_every == 0) and step + 1 < o.steps:
             ev = self._evaluate(step)
             if ev is not None:
@@ -574,7 +576,7 @@ class TrainingRun:
         self._form_epoch()
         now = time.monotonic()
         sums = self._checksums(step - 1)
-        identical = len({v["params_sha256"] for v in sums.values()}) <= 1
+        identical = len({v["params_checksum"] for v in sums.values()}) <= 1
         with self._lock:
             for rank in joined:
                 if rank not in self._live:
@@ -623,7 +625,7 @@ class TrainingRun:
         last = self._committed_through
         timeout = o.collective_timeout_s
         sums = self._checksums(last)
-        digests = {v["params_sha256"] for v in sums.values()}
+        digests = {v["params_checksum"] for v in sums.values()}
         applied = {v["applied_steps"] for v in sums.values()}
         ev = self._evaluate(last) or {"test_accuracy": None, "test_loss": None}
         mem = self._gather({r: self._one[r].memory.call_one() for r in self._live}, timeout)[0]
@@ -656,7 +658,7 @@ class TrainingRun:
             throughput_samples_per_s=round(committed_samples / wall, 1),
             epochs=self._epoch,
             replicas_identical=len(digests) == 1,
-            params_sha256=next(iter(digests)) if len(digests) == 1 else "",
+            params_checksum=next(iter(digests)) if len(digests) == 1 else "",
             step_time_ms_median=round(self._step_ms[len(self._step_ms) // 2], 3) if self._step_ms else 0.0,
             stopped_early=self._step < o.steps,
             worker_peak_rss_bytes=[mem[r]["peak_rss_bytes"] for r in sorted(mem)],

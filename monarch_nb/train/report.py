@@ -62,7 +62,8 @@ class TrainReport:
         goodput: productive time (committed step attempts) / wall time of the training loop.
         wall_time_s: first step sent -> last step committed. setup_time_s: procs + first epoch.
         throughput_samples_per_s: committed samples / wall_time_s.
-        replicas_identical: all live replicas' parameters equal at the end (SHA-256).
+        replicas_identical: all live replicas' parameters equal at the end (per-tensor 64-bit checksums).
+        params_checksum: the replicas' parameter checksum (16 hex digits), "" when they differ.
     """
 
     final_loss: float | None
@@ -84,7 +85,7 @@ class TrainReport:
     throughput_samples_per_s: float = 0.0
     epochs: int = 0
     replicas_identical: bool | None = None
-    params_sha256: str = ""
+    params_checksum: str = ""
     step_time_ms_median: float = 0.0
     stopped_early: bool = False
     worker_peak_rss_bytes: list = field(default_factory=list)

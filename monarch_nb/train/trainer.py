@@ -10,7 +10,9 @@ membership. Protocol, per step ``s`` of epoch ``e`` with live ranks ``L``:
    by the reduced sample count gives the gradient averaged over the samples actually used, for
    any split of the batch. The averaged gradient is held *pending*, not applied: if a peer fails
    during the collective, some survivors may have finished it and others not, and holding the
-   update lets every survivor redo step ``s`` from the same parameters.
+   update lets every survivor redo step ``s`` from the same parameters. Before the all-reduce,
+   ``hip_ext.grad_health`` reads all of the rank's gradients in one pass: a NaN is found on the
+   rank that produced it, and the rank's gradient norm comes with it.
 2. A peer failure inside the collective raises :class:`CollectiveError` (the controller reads
    ``ActorError.exception_type == "CollectiveError"``): the trainer is fine and waits for a new
    epoch. Any other error is the trainer's own failure.
@@ -18,13 +20,15 @@ membership. Protocol, per step ``s`` of epoch ``e`` with live ranks ``L``:
 Healing streams the committed state (parameters, buffers, optimizer state, step counters, data
 position, RNG states) from a donor in chunks of at most ``chunk_bytes``: the donor sends views of
 its live tensors (no copy on CPU), the joiner writes them in place and checks a SHA-256 of the
-whole stream before loading it.
+whole stream before loading it; the controller then compares every replica's parameter checksum
+(``hip_ext.checksum``, computed where the tensors live).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import pickle
 import random
@@ -78,11 +82,13 @@ class Trainer(Actor):
         collective_timeout_s: float = 10.0,
         chunk_bytes: int = 4 << 20,
     ):
+        import hip_ext
         import numpy as np
         import torch
 
         from .. import device as device_mod
 
+        hip_ext.load()  # compiled grad_health / checksum kernels; the pure-torch ones, with a log line, if none
         world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -196,13 +202,16 @@ class Trainer(Actor):
         Returns:
             ``{"status": "ok" | "nonfinite", "rank", "step", "loss" (float, mean per sample),
             "accuracy" (float or None), "samples" (list of int sample ids this rank used),
-            "global_samples" (int), "compute_ms", "reduce_ms", "local_nonfinite" (bool)}``.
+            "global_samples" (int), "compute_ms", "reduce_ms", "local_nonfinite" (bool: this rank's
+            own gradient had NaN/Inf), "grad_norm" (float: L2 norm of the finite elements of this
+            rank's gradient of its summed loss, before averaging)}``.
 
         Raises:
             CollectiveError: a peer failed during the all-reduce.
             RuntimeError: ``epoch`` is not the epoch this trainer joined.
         """
         import torch
+        from hip_ext import grad_health
 
         self._commit_through(step - 1)
         if epoch != self._epoch:
@@ -223,10 +232,11 @@ class Trainer(Actor):
         grads = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32) for p in self.params
         ]
+        if take_nan() and grads:  # the injected fault poisons this rank's first gradient element
+            grads[0][0] = float("nan")
+        sum_sq, nonfinite = grad_health(grads).tolist()
         flat = torch.cat(grads + [stats])
-        if take_nan():
-            flat[0] = float("nan")
-        local_nonfinite = not bool(torch.isfinite(flat).all())
+        local_nonfinite = nonfinite > 0 or not bool(torch.isfinite(stats).all())
         t1 = time.monotonic()
         self._all_reduce(flat, step, buckets)
         t2 = time.monotonic()
@@ -239,8 +249,9 @@ class Trainer(Actor):
             "compute_ms": (t1 - t0) * 1e3,
             "reduce_ms": (t2 - t1) * 1e3,
             "local_nonfinite": local_nonfinite,
+            "grad_norm": math.sqrt(sum_sq),
         }
-        if not bool(torch.isfinite(flat).all()):
+        if grad_health([flat])[1].item() > 0:
             return dict(result, status="nonfinite", loss=float("nan"), accuracy=None)
         self._pending = (step, flat[:-3] / count)
         accuracy = correct_total / count if self.workload.classification else None
@@ -276,16 +287,15 @@ class Trainer(Actor):
     # -- inspection -----------------------------------------------------------------------------
     @endpoint
     def checksum(self, commit_through: int) -> dict:
-        """SHA-256 of the parameters after committing through ``commit_through``.
+        """Checksum of the model's parameters and buffers after committing through ``commit_through``.
 
-        Returns ``{"rank", "params_sha256" (hex str), "applied_steps", "next_step"}``.
+        Returns ``{"rank", "params_checksum" (str, 16 hex digits: see :func:`_params_checksum`),
+        "applied_steps", "next_step"}``. Equal on two replicas exactly when (barring a 64-bit
+        collision) their state dicts are bit-identical, on any device.
         """
         self._commit_through(commit_through)
-        h = hashlib.sha256()
-        for t in self.model.state_dict().values():
-            h.update(_bytes_view(t).tobytes())
-        return {"rank": self.rank, "params_sha256": h.hexdigest(), "applied_steps": self.applied_steps,
-                "next_step": self.next_step}
+        return {"rank": self.rank, "params_checksum": _params_checksum(self.model.state_dict()),
+                "applied_steps": self.applied_steps, "next_step": self.next_step}
 
     @endpoint
     def parameters(self, commit_through: int) -> dict:
@@ -513,6 +523,17 @@ class _TensorSlot:
 
     def __reduce__(self):
         return _TensorSlot, (self.index, self.shape, self.dtype)
+
+
+def _params_checksum(state: dict) -> str:
+    """16 hex digits: BLAKE2b-64 of each tensor's name, dtype, shape and ``hip_ext.checksum`` (a
+    64-bit hash of its bytes, computed on its own device, no copy to the host), in order."""
+    from hip_ext import checksum
+
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in state.items():
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{checksum(t)}\n".encode())
+    return h.hexdigest()
 
 
 def _meta_digest(meta: dict) -> bytes:

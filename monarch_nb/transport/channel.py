@@ -29,11 +29,28 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import shm
+from .keys import Trust
 from .wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
 log = logging.getLogger(__name__)
+
+_authenticators: dict[int, Any] = {}
+_auth_lock = threading.Lock()
+
+
+def _start_authenticator(ctx: zmq.Context, trust: Trust) -> None:
+    """Run a ZAP handler on ``ctx`` that admits only CurveZMQ clients holding the cluster's keys."""
+    with _auth_lock:
+        if id(ctx) in _authenticators:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("monarch_nb.zap"))
+        auth.start()
+        auth.configure_curve(domain="*", location=trust.curve_dir)
+        _authenticators[id(ctx)] = auth
 
 MessageHandler = Callable[[dict, Any, list, list], None]
 
@@ -74,6 +91,7 @@ class Channel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._readers: dict[int, Callable[[int], None]] = {}
+        self._readers_lock = threading.Lock()
         self._timers: list[list] = []  # [next_due, interval_s, fn]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
@@ -82,22 +100,48 @@ class Channel:
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
     # -- set-up ---------------------------------------------------------------------------------
-    def bind(self, address: str) -> str:
-        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://127.0.0.1:0``); return the real one."""
-        self._sock.bind(address)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        return self.address
+    def bind(self, address: str, trust: Trust | None = None) -> str:
+        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://HOST:0``); return the real one.
 
-    def connect(self, address: str) -> None:
+        With an encrypting ``trust`` this endpoint speaks CurveZMQ as the server and admits only
+        clients holding the cluster's key pair; other endpoints of the socket are unaffected
+        (ZeroMQ takes security options when an endpoint is bound). Any thread.
+        """
+        with self._lock:
+            if trust is not None and trust.encrypted:
+                _start_authenticator(self._ctx, trust)
+                self._sock.curve_secretkey = trust.curve_secret
+                self._sock.curve_publickey = trust.curve_public
+                self._sock.curve_server = True
+            try:
+                self._sock.bind(address)
+                bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            finally:
+                if trust is not None and trust.encrypted:
+                    self._sock.curve_server = False
+        self.address = self.address or bound
+        return bound
+
+    def connect(self, address: str, trust: Trust | None = None) -> None:
+        """Connect (DEALER) to ``address``; with an encrypting ``trust``, as a CurveZMQ client."""
+        if trust is not None and trust.encrypted:
+            self._sock.curve_serverkey = trust.curve_public
+            self._sock.curve_publickey = trust.curve_public
+            self._sock.curve_secretkey = trust.curve_secret
         self._sock.connect(address)
         self.address = address
 
     def add_reader(self, fd: int, callback: Callable[[int], None]) -> None:
-        """Call ``callback(fd)`` on the IO thread when ``fd`` is readable. IO thread only, or before start."""
-        self._readers[fd] = callback
+        """Call ``callback(fd)`` on the IO thread when ``fd`` is readable. Any thread."""
+        with self._readers_lock:
+            self._readers[fd] = callback
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._wake()
 
     def remove_reader(self, fd: int) -> None:
-        self._readers.pop(fd, None)
+        """Stop watching ``fd``. Any thread; on the IO thread it takes effect at once."""
+        with self._readers_lock:
+            self._readers.pop(fd, None)
 
     def every(self, interval_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the IO thread every ``interval_s`` seconds. Call before :meth:`start`."""
@@ -178,11 +222,13 @@ class Channel:
         poller.register(self._wake_r, select.POLLIN)
         registered: set[int] = set()
         while not self._closed.is_set():
-            if self._readers.keys() != registered:
-                for fd in set(self._readers) - registered:
+            with self._readers_lock:
+                wanted = set(self._readers)
+            if wanted != registered:
+                for fd in wanted - registered:
                     poller.register(fd, select.POLLIN)
                     registered.add(fd)
-                for fd in registered - set(self._readers):
+                for fd in registered - wanted:
                     poller.unregister(fd)
                     registered.discard(fd)
             timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
@@ -197,7 +243,8 @@ class Channel:
                     except BlockingIOError:
                         pass
                 elif fd != sock_fd:
-                    callback = self._readers.get(fd)
+                    with self._readers_lock:
+                        callback = self._readers.get(fd)
                     if callback is not None:
                         self._guarded(callback, fd)
             self._receive_all()
