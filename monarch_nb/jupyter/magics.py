@@ -40,6 +40,9 @@ from .ranks import RankSpecError, format_ranks
 
 __all__ = ["MeshMagics", "load_ipython_extension", "unload_ipython_extension"]
 
+#: fault kinds whose effect is the proc's exit: ``%mesh fault`` returns once the exit is seen
+_ENDS_THE_PROC = ("kill", "segfault", "exit")
+
 
 @magics_class
 class MeshMagics(Magics):
@@ -299,12 +302,21 @@ class MeshMagics(Magics):
             raise UsageError(str(exc)) from None
         procs = self._mesh_for(args.mesh)
         self._check_rank(procs, args.rank)
+        events = _controller().events
+        mark = events.next_seq
         try:
             procs.inject(args.rank, args.kind, **params)
         except (ValueError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
         shown = " ".join(f"{k}={v}" for k, v in params.items())
-        print(f"injected {args.kind}{' ' + shown if shown else ''} into rank {args.rank} of {procs.name}")
+        seen = ""
+        if args.kind in _ENDS_THE_PROC:  # the next cell must find the rank dead, not still running
+            from ..config import config
+
+            event = events.wait_for(lambda e: e.kind == "proc_exited" and e.rank == args.rank and e.mesh == procs.name,
+                                    timeout=config.hang_timeout_s + 2 * config.heartbeat_interval_s, since_seq=mark)
+            seen = f" ({event.detail})" if event is not None else " (its exit is not seen yet)"
+        print(f"injected {args.kind}{' ' + shown if shown else ''} into rank {args.rank} of {procs.name}{seen}")
 
     def _cmd_restart(self, args: argparse.Namespace) -> None:
         procs = self._mesh_for(args.mesh)
