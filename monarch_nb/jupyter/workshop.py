@@ -14,7 +14,6 @@ reset afterwards either way.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from ..errors import SupervisionError
