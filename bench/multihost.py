@@ -52,8 +52,11 @@ def summarize(samples_s: list[float]) -> dict:
 
 
 ECHO_SERVER = """
-import sys, zmq
+import sys, zmq, zmq.auth
 sock = zmq.Context().socket(zmq.ROUTER)
+if len(sys.argv) > 2:  # CurveZMQ server with the cluster's certificate
+    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(sys.argv[2])
+    sock.curve_server = True
 sock.bind(sys.argv[1])
 print("ready", flush=True)
 while True:
@@ -64,14 +67,21 @@ while True:
 """
 
 
-def bench_floor(cluster: NetnsCluster, calls: int, bulk_rounds: int) -> dict:
+def bench_floor(cluster: NetnsCluster, calls: int, bulk_rounds: int, curve_dir: str | None = None, port: int = 26700) -> dict:
+    """Raw pyzmq echo to a process in host 0's namespace: plain, or CurveZMQ with ``curve_dir``'s keys."""
     import zmq
 
-    address = f"tcp://{cluster.host_ip(0)}:26700"
-    server = cluster.run_in(0, [sys.executable, "-c", ECHO_SERVER, address], stdout=subprocess.PIPE, text=True)
+    from monarch_nb.transport.keys import load_trust
+
+    address = f"tcp://{cluster.host_ip(0)}:{port}"
+    argv = [sys.executable, "-c", ECHO_SERVER, address] + ([f"{curve_dir}/curve.key_secret"] if curve_dir else [])
+    server = cluster.run_in(0, argv, stdout=subprocess.PIPE, text=True)
     server.stdout.readline()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve_dir:
+        trust = load_trust(curve_dir)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = trust.curve_public, trust.curve_public, trust.curve_secret
     sock.connect(address)
     try:
         for _ in range(50):
@@ -105,6 +115,16 @@ class Echo(Actor):
     def echo(self, value):
         return value
 
+    @endpoint
+    def ping_peer(self, peer, calls: int) -> list:
+        """Time ``calls`` calls from this actor to ``peer`` (an actor mesh of one), seconds each."""
+        samples = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            peer.ping.call_one().get(timeout=10)
+            samples.append(time.perf_counter() - t0)
+        return samples
+
 
 def bench_mesh(workers: list[str], ca: str, calls: int, bulk_rounds: int) -> dict:
     import torch
@@ -133,9 +153,12 @@ def bench_mesh(workers: list[str], ca: str, calls: int, bulk_rounds: int) -> dic
             back = remote.echo.call_one(tensor).get(timeout=60)
             bulk.append(time.perf_counter() - t1)
         assert torch.equal(back, tensor)
+        # actor -> actor across hosts: through the controller's hub (two hops)
+        peer_samples = echo.slice(hosts=1, gpus=0).ping_peer.call_one(remote, calls).get(timeout=600)
     finally:
         procs.stop()
     return {"attach_s": t_attach, "mesh_2x2_up_s": t_up, "call_one": summarize(samples),
+            "actor_to_actor_across_hosts": summarize(peer_samples),
             "tensor_64mib_gbps": MIB64 / statistics.median(bulk) / 1e9}
 
 
@@ -189,6 +212,7 @@ def main() -> int:
     with_curve = NetnsCluster(2, curve).start()
     try:
         results["floor"] = bench_floor(with_curve, args.calls, args.bulk)
+        results["floor_curve"] = bench_floor(with_curve, args.calls, args.bulk, curve_dir=curve, port=26701)
         results["curve"] = bench_mesh(with_curve.addresses, curve, args.calls, args.bulk)
         Controller.get().shutdown()
         results["detection"] = bench_detection(with_curve, curve, args.trials)
@@ -206,12 +230,17 @@ def main() -> int:
     rows = [
         ("raw pyzmq round trip (floor), us", f"{floor_us:.0f}", f"p95 {results['floor']['rtt']['p95_us']:.0f}", ""),
         ("raw pyzmq 64 MiB round trip, GB/s", f"{floor_bulk:.2f}", "", ""),
+        ("raw pyzmq CurveZMQ 64 MiB round trip, GB/s", f"{results['floor_curve']['bulk_64mib_gbps']:.2f}", "",
+         "(the cost of encryption itself)"),
     ]
     for mode in ("curve", "plain"):
         r = results[mode]
         ratio = r["call_one"]["median_us"] / floor_us
         rows.append((f"call_one to a remote proc ({mode}), us", f"{r['call_one']['median_us']:.0f}",
                      f"p95 {r['call_one']['p95_us']:.0f}", f"{ratio:.2f}x floor (target <= 2.5x)"))
+        a2a = r["actor_to_actor_across_hosts"]
+        rows.append((f"actor -> actor across hosts ({mode}), us", f"{a2a['median_us']:.0f}", f"p95 {a2a['p95_us']:.0f}",
+                     f"{a2a['median_us'] / r['call_one']['median_us']:.2f}x controller -> actor (via the hub)"))
         rows.append((f"64 MiB tensor round trip ({mode}), GB/s", f"{r['tensor_64mib_gbps']:.2f}", "",
                      f"{r['tensor_64mib_gbps'] / floor_bulk:.0%} of raw (target >= 50%)"))
         rows.append((f"2x2 mesh up and answering ({mode}), s", f"{r['mesh_2x2_up_s']:.2f}", f"attach {r['attach_s']:.2f}", ""))

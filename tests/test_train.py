@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from monarch_nb.runtime.controller import Controller
-from monarch_nb.train import Workload, start
+from monarch_nb.train import SampleOrder, Workload, start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 24
