@@ -42,7 +42,7 @@ from .hosts import Hosts
 from .launch import RUN_DIR_PREFIX, proc_specs, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
-from .output import LineAssembler, OutputLine, print_output
+from .output import LineAssembler, OutputLine, deliver, print_output
 from .protocol import CONTROLLER, FAULT_KINDS, Kind, validate_fault
 from .rendezvous import LazyStore
 from .supervisor import Supervisor
@@ -122,6 +122,7 @@ class Controller:
             Kind.SPARES: self._on_spares,
         }
         self.channel.every(config.heartbeat_interval_s, self._tick)
+        self.channel.every(self._lines.quiet_s / 2, self._emit_quiet_lines)
         self.channel.start(name="monarch_nb-controller-io")
         backend.install(self)
         atexit.register(self.shutdown)
@@ -398,19 +399,17 @@ class Controller:
         assert future is not None
         return future
 
-    def emit_lines(self, rec: ProcRecord | None, stream: str, lines: list[str], *, mesh: str = "", rank: int = -1) -> None:
-        """Hand ``lines`` of ``rec``'s proc (or of mesh/rank when no record is known) to every sink."""
+    def emit_lines(self, rec: ProcRecord | None, stream: str, lines: list[str], *, mesh: str = "", rank: int = -1,
+                   partial: bool = False) -> None:
+        """Hand ``lines`` of ``rec``'s proc (or of mesh/rank when no record is known) to every sink;
+        ``partial``: the current content of an unfinished line (see :mod:`.output`)."""
         if rec is not None:
             mesh, rank = rec.mesh, rec.rank
         for text in lines:
-            if rec is not None:
+            if rec is not None and not partial:
                 rec.output_tail.append(text)
-            line = OutputLine(mesh, rank, stream, text)
-            for sink in list(self.output_sinks):
-                try:
-                    sink(line)
-                except Exception:
-                    log.exception("output sink %r failed", sink)
+            deliver(self.output_sinks, OutputLine(mesh, rank, stream, text, partial),
+                    lambda sink: log.exception("output sink %r failed", sink))
 
     def flush_output(self, rec: ProcRecord) -> None:
         """Emit the partial lines ``rec``'s proc left unterminated (it exited)."""
@@ -472,8 +471,19 @@ class Controller:
 
     def _on_output(self, header: dict, body: Any, buffers: list) -> None:
         rec = self.procs.get(route_id(header["proc"]))
-        lines = self._lines.feed((header["proc"], header["stream"]), bytes(body))
+        key = (header["proc"], header["stream"])
+        lines = self._lines.feed(key, bytes(body))
         self.emit_lines(rec, header["stream"], lines, rank=header["rank"])
+        redrawn = self._lines.redrawn(key)
+        if redrawn is not None and rec is not None:
+            self.emit_lines(rec, header["stream"], [redrawn], partial=True)
+
+    def _emit_quiet_lines(self) -> None:
+        """Unfinished lines that stopped changing (IO thread timer): hand them out as partial."""
+        for (proc, stream), text in self._lines.quiet():
+            rec = self.procs.get(route_id(proc))
+            if rec is not None:
+                self.emit_lines(rec, stream, [text], partial=True)
 
     def _on_proc_spawned(self, header: dict, body: Any, buffers: list) -> None:
         rec = self.procs.get(route_id(header["proc"]))
