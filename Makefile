@@ -17,6 +17,7 @@ demo: setup
 test: setup
 	bash scripts/install-browser.sh
 	bash scripts/install-gpu-compilers.sh
+	bash scripts/install-test-daemons.sh
 	$(PY) -m pytest -q
 
 bench: setup
@@ -24,6 +25,7 @@ bench: setup
 	$(PY) bench/detection.py --with-peers
 	$(PY) bench/training.py --chaos
 	$(PY) bench/kernels.py
+	$(PY) bench/multihost.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts

@@ -121,7 +121,9 @@ def _compile(sources: tuple[str, ...], gpu: bool, verbose: bool) -> None:
     name = "monarch_nb_hip_ext" + ("_gpu" if gpu else "")
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     flavour = torch.version.hip and "hip" or torch.version.cuda and "cuda" or "cpu"
-    build_dir = root / f"{name}-torch{torch.__version__.split('+')[0]}-{flavour}-py{sys.version_info[0]}{sys.version_info[1]}"
+    # one folder per version of the sources: two checkouts (or a rebuilt venv) never fight over one
+    version = _sources_digest(CSRC)[:12]
+    build_dir = root / f"{name}-{version}-torch{torch.__version__.split('+')[0]}-{flavour}-py{sys.version_info[0]}{sys.version_info[1]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released by the OS if this proc dies
@@ -130,7 +132,7 @@ def _compile(sources: tuple[str, ...], gpu: bool, verbose: bool) -> None:
             log.warning("hip_ext: removing a build lock left by a killed build: %s", baton)
             baton.unlink(missing_ok=True)
         src = _stage_sources(build_dir / "csrc")
-        digest = _headers_digest(src)  # cpp_extension hashes the sources, not the headers they include
+        digest = version  # in the flags too: cpp_extension hashes the sources, not the headers they include
         # at::parallel_reduce is a header template whose threads are an `omp parallel` region: it
         # runs on one thread unless the extension is built with -fopenmp (linked to the libgomp
         # torch already loaded, by soname). -fopenmp-simd alone keeps the `omp simd` loops.
@@ -162,8 +164,9 @@ def _stage_sources(dest: Path) -> Path:
     return dest
 
 
-def _headers_digest(src: Path) -> str:
+def _sources_digest(src: Path) -> str:
     h = hashlib.sha256()
-    for path in sorted(src.glob("*.h")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
+    for path in sorted(src.iterdir()):
+        if path.suffix in (".h", ".cpp", ".cu"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()

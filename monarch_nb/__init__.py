@@ -41,6 +41,8 @@ _EXPORTS = {
     "ProcMesh": "monarch_nb.actor.mesh",
     "ActorMesh": "monarch_nb.actor.mesh",
     "this_host": "monarch_nb.actor.context",
+    "attach_to_workers": "monarch_nb.actor.attach",
+    "run_worker_loop_forever": "monarch_nb.runtime.worker_loop",
     "this_proc": "monarch_nb.actor.context",
     "context": "monarch_nb.actor.context",
     "current_rank": "monarch_nb.actor.context",
@@ -56,7 +58,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
 
 if TYPE_CHECKING:
+    from .actor.attach import attach_to_workers
     from .actor.context import context, current_rank, current_size, this_host, this_proc
+    from .runtime.worker_loop import run_worker_loop_forever
     from .actor.endpoint import Actor, Endpoint, endpoint
     from .actor.future import Future
     from .actor.mesh import ActorMesh, HostMesh, ProcMesh

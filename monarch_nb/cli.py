@@ -4,6 +4,8 @@
     monarch-nb train [--procs N] [--steps S] [--fault kill@120:rank=2 ...]   fault-tolerant training + report
     monarch-nb report FILE.json        print the report of a run saved with `train --report-json`
     monarch-nb install-kernel [--user|--sys-prefix|--prefix P]   the "Monarch (Python 3)" kernelspec
+    monarch-nb keys DIR                make a cluster's keys (HMAC + CurveZMQ) for hosts to share
+    monarch-nb worker --address tcp://HOST:PORT --curve-keys DIR   serve as a host of a cluster
 """
 
 from __future__ import annotations
@@ -33,6 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--sys-prefix", action="store_true", help="install into this environment (the default)")
     where.add_argument("--prefix", help="install into PREFIX/share/jupyter/kernels")
     kernel.set_defaults(func=_install_kernel)
+    keys = sub.add_parser("keys", help="make a cluster's keys: copy the folder to every host and pass it as ca=",
+                          description="Create a folder with the cluster's HMAC key and CurveZMQ certificates "
+                          "(or, with --hmac-only, one key file). Hosts started with these keys accept only "
+                          "controllers holding them; with a folder, traffic between hosts is encrypted.")
+    keys.add_argument("path", help="the folder (or file, with --hmac-only) to create; never overwritten")
+    keys.add_argument("--hmac-only", action="store_true", help="one key file: signed, not encrypted")
+    keys.set_defaults(func=_keys)
+    worker = sub.add_parser("worker", help="serve as a host of a cluster: wait for a controller, run its procs",
+                            description="Listen for a controller (attach_to_workers, %%mesh start --hosts, a job) "
+                            "and run its procs on this host; when it is gone, wait for the next.")
+    worker.add_argument("--address", required=True, metavar="tcp://HOST:PORT", help="where to listen (an address of this host)")
+    trust = worker.add_mutually_exclusive_group()
+    trust.add_argument("--curve-keys", metavar="DIR", help="the cluster's key folder (monarch-nb keys DIR): encrypted")
+    trust.add_argument("--key-file", metavar="FILE", help="the cluster's key file (monarch-nb keys --hmac-only FILE)")
+    worker.add_argument("--name", help="this host's name in the supervision tree (default: the hostname)")
+    worker.add_argument("--announce", metavar="FILE", help="also write the announcement (address, pid; JSON) to FILE")
+    worker.set_defaults(func=_worker)
     from .train.cli import add_report_parser, add_train_parser
 
     add_train_parser(sub)
@@ -75,6 +94,30 @@ def _install_kernel(args: argparse.Namespace) -> int:
 
     path = install(user=args.user, sys_prefix=args.sys_prefix, prefix=args.prefix)
     print(f'installed kernelspec "{DISPLAY_NAME}" ({KERNEL_NAME}) in {path}')
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from .transport.keys import create_keys
+
+    try:
+        path = create_keys(args.path, curve=not args.hmac_only)
+    except FileExistsError as exc:
+        print(f"monarch-nb keys: {exc}", file=sys.stderr)
+        return 2
+    what = "key file" if args.hmac_only else "key folder (HMAC + CurveZMQ)"
+    print(f"wrote the cluster's {what} to {path}; copy it to every host (mode 600) and pass it as ca={path!r}")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from .runtime.worker_loop import run_worker_loop_forever
+
+    try:
+        run_worker_loop_forever(args.address, args.curve_keys or args.key_file, name=args.name, announce=args.announce)
+    except (ValueError, OSError) as exc:
+        print(f"monarch-nb worker: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import linecache
 import traceback
+from typing import Iterable, Mapping
 
 __all__ = [
     "MonarchError",
@@ -18,6 +19,8 @@ __all__ = [
     "UnknownEndpointError",
     "format_remote_traceback",
     "capture_traceback",
+    "rank_ranges",
+    "group_identical",
 ]
 
 
@@ -63,6 +66,33 @@ def format_remote_traceback(info: dict) -> str:
     lines.append(f"{exc_name}: {message}\n" if message else f"{exc_name}\n")
     parts.append("".join(lines))
     return "".join(parts)
+
+
+def rank_ranges(ranks: "Iterable[int]") -> str:
+    """Ranks as compact ranges: ``[0, 1, 2, 5]`` -> ``"0-2,5"`` (sorted, duplicates dropped)."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for rank in ordered + [None]:  # a sentinel closes the last run
+        if rank is not None and prev is not None and rank == prev + 1:
+            prev = rank
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = rank
+    return ",".join(parts)
+
+
+def group_identical(texts: "Mapping[int, str]") -> list[tuple[list[int], str]]:
+    """Ranks whose texts (rendered tracebacks) are identical, grouped: ``[(ranks, text), ...]``.
+
+    Groups come in the order of their first rank; ranks within a group are sorted. Four ranks
+    that raised the same error in the same place give one group, shown once as ``ranks 0-3:``.
+    """
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        groups.setdefault(texts[rank], []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]
 
 
 class ActorError(MonarchError):

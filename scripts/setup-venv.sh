@@ -20,5 +20,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
 "$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[$EXTRAS]"
+# build hip_ext's kernels now (cached per version of their sources), not in the first training step
+"$VENV/bin/python" -c "import hip_ext; keys = hip_ext.load(); print('setup-venv: hip_ext kernels:', ', '.join(keys) or 'none (pure-torch reference)')"
 touch "$VENV/.installed"
 echo "setup-venv: ready ($VENV)"

@@ -101,3 +101,13 @@ class Caller(Actor):
     @endpoint
     def call_peer_of_same_rank(self) -> int:
         return self.peers.slice(**current_rank()).incr.call_one(by=1).get()
+
+
+class WorkshopWorker(Actor):
+    """The workshop notebook's Worker: ``work(x)`` is ``x * (rank + 1)``."""
+
+    @endpoint
+    def work(self, x: int) -> int:
+        from monarch_nb import current_rank
+
+        return x * (current_rank().rank + 1)

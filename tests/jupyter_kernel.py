@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from jupyter_client import KernelManager
 
 _spec_prefix: str | None = None
+#: the iopub message types an Execution keeps
+OUTPUT_TYPES = ("stream", "display_data", "execute_result", "error", "update_display_data")
 
 
 def kernelspec_prefix() -> str:
@@ -48,6 +50,16 @@ class Execution:
 
     def displays(self) -> list[dict]:
         return [c["data"] for t, c in self.outputs if t in ("display_data", "execute_result")]
+
+    def updates(self, display_id: str | None = None) -> list[dict]:
+        """The data of the update_display_data messages (of ``display_id``), in order."""
+        return [c["data"] for t, c in self.outputs if t == "update_display_data"
+                and (display_id is None or c.get("transient", {}).get("display_id") == display_id)]
+
+    def display_ids(self) -> list[str]:
+        """The display ids of the displays this execution created, in order."""
+        return [c["transient"]["display_id"] for t, c in self.outputs
+                if t == "display_data" and c.get("transient", {}).get("display_id")]
 
     @property
     def error(self) -> dict | None:
@@ -90,12 +102,12 @@ class Kernel:
             parent = msg["parent_header"].get("msg_id")
             kind = msg["msg_type"]
             if parent != msg_id:
-                if kind in ("stream", "display_data", "execute_result", "error"):
+                if kind in OUTPUT_TYPES:
                     self.pending.setdefault(parent, []).append((kind, msg["content"]))
                 continue
             if kind == "status" and msg["content"]["execution_state"] == "idle":
                 break
-            if kind in ("stream", "display_data", "execute_result", "error"):
+            if kind in OUTPUT_TYPES:
                 ex.outputs.append((kind, msg["content"]))
         while True:
             reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
@@ -117,9 +129,14 @@ class Kernel:
                 msg = self.kc.get_iopub_msg(timeout=0.05)
             except queue.Empty:
                 continue
-            if msg["msg_type"] in ("stream", "display_data", "execute_result", "error"):
+            if msg["msg_type"] in OUTPUT_TYPES:
                 self.pending.setdefault(msg["parent_header"].get("msg_id"), []).append((msg["msg_type"], msg["content"]))
         return self.pending.get(msg_id, [])
+
+    def send_comm(self, comm_id: str, data: dict) -> None:
+        """Send a comm message to the kernel, as a widget's view does when a button is clicked."""
+        msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        self.kc.shell_channel.send(msg)
 
     def execute(self, code: str, timeout_s: float = 60.0) -> Execution:
         return self.collect(self.send(code), timeout_s)

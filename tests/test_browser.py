@@ -1,8 +1,17 @@
 """End to end in a real browser: JupyterLab in Debian's Chromium, driven by Playwright.
 
-Opens notebook 02, runs it through the supervision tree, clicks "kill" on rank 3 in the tree,
-sees the rank fail and come back healthy (the training run restarts and heals it), then runs the
-rest of the notebook to its report. Screenshots go to test-artifacts/browser/.
+Opens notebook 02 and runs all its cells. While the kernel is busy in the cell that waits for
+training to end (``%mesh wait run``), clicks "kill" on rank 3 in the supervision tree: the click
+is handled during the wait, the rank fails and comes back healthy (the training run restarts and
+heals it), the run reaches its report. The last cell (``%mesh stop``) turns the widgets into
+snapshots of their last state, which stay after the notebook is saved and opened again.
+Screenshots go to test-artifacts/browser/.
+
+Every check waits on a condition (Playwright's ``expect`` with ``has_text`` locators, which retry
+until their deadline), never on one read of a DOM that is still rendering: JupyterLab attaches
+and renders cells lazily. The server runs with ``windowingMode: none`` (every cell attached) and
+``expose_app_in_browser`` (the test runs "Run All Cells" through JupyterLab's command registry,
+as the Run menu does).
 
 Chromium is the apt package (``.ci/run`` installs it when missing); Playwright gets its path
 through ``executable_path`` and never downloads a browser. Without Chromium the test is skipped,
@@ -30,6 +39,9 @@ from .jupyter_kernel import kernelspec_prefix
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 NOTEBOOK = "02_fault_tolerant_training.ipynb"
+#: training steps in the browser's copy of notebook 02: long enough to click and see a rank heal
+#: while the last cell waits (about 10 ms a step on the 2-core CI machine), short enough for CI
+STEPS = 4000
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,6 +71,10 @@ def lab(tmp_path):
     pytest.importorskip("playwright.sync_api")
     root = tmp_path / "lab"
     shutil.copytree(ROOT / "notebooks", root)
+    _set_parameter(root / NOTEBOOK, "steps", STEPS)
+    settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ)
     env["JUPYTER_PATH"] = os.pathsep.join(p for p in [kernelspec_prefix(), env.get("JUPYTER_PATH", "")] if p)
@@ -70,6 +86,7 @@ def lab(tmp_path):
         sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.news_url=",
+        "--LabApp.expose_app_in_browser=True",
     ]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
@@ -107,37 +124,43 @@ def lab(tmp_path):
     wait_until(lambda: not [q for q in pids if pid_alive(q)], 10.0, message=f"the notebook kernel's workers {sorted(pids)} gone")
 
 
-def test_kill_from_the_tree_in_jupyterlab(lab):
+def test_kill_from_the_tree_while_a_cell_waits(lab):
     from playwright.sync_api import expect, sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     pids: set[int] = lab["pids"]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        page = None
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{lab['base']}/lab/tree/{NOTEBOOK}?token={lab['token']}")
-            indicator = page.locator(".jp-Notebook-ExecutionIndicator")
-            expect(indicator.first).to_have_attribute("data-status", "idle", timeout=60_000)
+            indicator = page.locator(".jp-Notebook-ExecutionIndicator").first
+            expect(indicator).to_have_attribute("data-status", "idle", timeout=60_000)
             expect(page.locator(".jp-Toolbar-kernelName").first).to_contain_text("Monarch", timeout=10_000)
-            cells = page.locator(".jp-Notebook .jp-Cell")
-            tree_cell = _index_of(page, "%mesh tree")
-            cells.nth(0).locator(".jp-InputPrompt").first.click()
-            page.keyboard.press("Escape")
-            for _ in range(tree_cell + 1):  # run the cells up to the tree (markdown renders)
-                page.keyboard.press("Shift+Enter")
+            wait_cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="report = run.report()")
+            expect(wait_cell).to_have_count(1, timeout=30_000)  # rendered: the notebook is on screen
+            page.wait_for_function(_KERNEL_READY, timeout=60_000)
+            # start "Run All Cells" and return: the command's promise resolves only when every cell ran
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+            # the cell before the last wait ran (a magic killed rank 1): the kernel now awaits training's end
+            expect(page.locator(".jp-OutputArea-output", has_text="injected kill into rank 1")).to_have_count(1, timeout=120_000)
+            expect(page.locator(".mnb-chart-loss path").first).to_be_visible(timeout=60_000)
             rank3 = page.locator('.mnb-tree .mnb-proc[data-rank="3"]')
-            # training is under way once the dashboard shows a loss curve
-            expect(page.locator(".mnb-chart-loss path").first).to_be_visible(timeout=120_000)
             expect(rank3).to_have_count(1, timeout=30_000)
             for row in page.locator(".mnb-tree .mnb-proc").all():
                 pids.add(int(row.get_attribute("data-pid") or 0))
             kill = rank3.locator('button[data-kind="kill"]')
             expect(kill).to_be_enabled(timeout=30_000)
+            expect(wait_cell.locator(".jp-InputPrompt")).to_contain_text("*")  # still waiting
             old_pid = rank3.get_attribute("data-pid")
             kill.click()
             # a warm spare takes the rank's place within milliseconds: the failure count shows the kill
             expect(rank3).to_have_attribute("data-failures", "1", timeout=10_000)
+            # the click was handled while the cell still waited for training to end
+            expect(wait_cell.locator(".jp-InputPrompt")).to_contain_text("*")
+            expect(indicator).to_have_attribute("data-status", "busy")
             page.screenshot(path=str(ARTIFACTS / "02_tree_rank3_failed.png"), full_page=True)
             expect(rank3).to_have_attribute("data-state", _HEALTHY, timeout=60_000)
             assert rank3.get_attribute("data-pid") != old_pid
@@ -149,32 +172,48 @@ def test_kill_from_the_tree_in_jupyterlab(lab):
             expect(page.locator(".mnb-dash .mnb-tl-recovered", has_text="rank 3").first).to_be_visible(timeout=60_000)
             expect(page.locator(".mnb-dash .mnb-marker-fault").first).to_be_attached()
             page.locator(".mnb-dash").first.screenshot(path=str(ARTIFACTS / "02_dashboard.png"))
-            # run the rest: a fault from a magic, then the report
-            page.keyboard.press("Escape")
-            cells.nth(tree_cell + 1).locator(".jp-InputPrompt, .jp-Cell-inputCollapser").first.click()
-            for _ in range(cells.count() - tree_cell - 1):
-                page.keyboard.press("Shift+Enter")
-            expect(page.locator(".jp-OutputArea-output", has_text="training report").first).to_be_visible(timeout=150_000)
-            expect(indicator.first).to_have_attribute("data-status", "idle", timeout=30_000)
+
+            # training ends, the report shows, %mesh stop leaves snapshots of the widgets
+            expect(page.locator(".jp-OutputArea-output", has_text="training report").first).to_be_visible(timeout=180_000)
+            expect(page.locator(".mnb-tree-static")).to_have_count(1, timeout=60_000)
+            expect(page.locator(".mnb-dash-static")).to_have_count(1, timeout=10_000)
+            expect(indicator).to_have_attribute("data-status", "idle", timeout=30_000)
+            expect(page.locator(".mnb-tree-static", has_text="rank 3")).to_have_count(1)
             assert not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']", has_text="Error").count()
-            page.screenshot(path=str(ARTIFACTS / "02_after_report.png"), full_page=True)
+            page.screenshot(path=str(ARTIFACTS / "02_after_stop.png"), full_page=True)
+
+            # saved, then opened again: the snapshots, not "Error displaying widget: model not found"
+            page.keyboard.press("Control+s")
+            expect(page.locator(".jp-mod-dirty")).to_have_count(0, timeout=10_000)
+            page.reload()
+            expect(page.locator(".mnb-tree-static", has_text="rank 3")).to_have_count(1, timeout=60_000)
+            expect(page.locator(".mnb-dash-static")).to_have_count(1)
+            expect(page.get_by_text("model not found")).to_have_count(0)
+            page.screenshot(path=str(ARTIFACTS / "02_reopened.png"), full_page=True)
         except Exception:
-            try:
-                page.screenshot(path=str(ARTIFACTS / "02_failure.png"), full_page=True)
-            except Exception:
-                pass
+            if page is not None:
+                try:
+                    page.screenshot(path=str(ARTIFACTS / "02_failure.png"), full_page=True)
+                except Exception:
+                    pass
             raise
         finally:
             browser.close()
 
 
 _HEALTHY = __import__("re").compile(r"^(healthy|busy)$")
+#: the notebook's kernel is connected and idle (JupyterLab's session API; "Run All" before it is lost)
+_KERNEL_READY = """() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const kernel = panel && panel.sessionContext && panel.sessionContext.session && panel.sessionContext.session.kernel;
+  return !!kernel && kernel.connectionStatus === "connected" && kernel.status === "idle";
+}"""
 
 
-def _index_of(page, text: str) -> int:
-    """The index of the first cell whose source contains ``text``."""
-    sources = page.locator(".jp-Notebook .jp-Cell").evaluate_all("cells => cells.map(c => c.innerText)")
-    for i, src in enumerate(sources):
-        if text in src:
-            return i
-    raise AssertionError(f"no cell contains {text!r}")
+def _set_parameter(path: pathlib.Path, name: str, value: object) -> None:
+    """Set ``name = value`` in the notebook's cell tagged ``parameters`` (its copy under test)."""
+    nb = json.loads(path.read_text())
+    cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    lines = "".join(cell["source"]).splitlines()
+    cell["source"] = "\n".join(f"{name} = {value!r}" if line.startswith(f"{name} =") else line for line in lines)
+    path.write_text(json.dumps(nb, indent=1))

@@ -77,14 +77,15 @@ def test_kill_fails_in_flight_call_and_keeps_healthy_slice(m):
     procs.inject(1, "kill")
     event = wait_event(ctrl, procs, "proc_exited", 1, since)
     assert event.cause == "SIGKILL" and event.pid == old_pid and event.coords == {"gpus": 1}
-    assert event.monotonic - injected_at(ctrl, procs, 1, since) < 1.0
+    assert injected_at(ctrl, procs, 1, since) <= event.monotonic  # seen from the OS, not a timeout:
+    assert event.monotonic - injected_at(ctrl, procs, 1, since) < config.hang_timeout_s  # bench/detection.py has the figure
     with pytest.raises(SupervisionError, match=r"rank 1 failed \(SIGKILL\)") as info:
         in_flight.get(timeout=DEADLINE_S)
     assert info.value.rank == 1 and info.value.signal == "SIGKILL"
-    t0 = time.monotonic()
+    later = workers.slice(gpus=1).echo.call_one(1)
+    assert later.done()  # fails fast: completed when made, nothing sent to a dead rank
     with pytest.raises(SupervisionError, match="rank 1"):
-        workers.slice(gpus=1).echo.call_one(1).get(timeout=DEADLINE_S)
-    assert time.monotonic() - t0 < 0.5  # fails fast
+        later.get(timeout=0)
     healthy = workers.slice(gpus=slice(2, 4))
     for i in range(5):
         assert healthy.echo.call(i).get(timeout=DEADLINE_S).values() == [i, i]
@@ -171,15 +172,16 @@ def test_nan_poisons_the_next_tensor_result(m):
 def test_slow_makes_a_straggler(m):
     procs, workers, _, ctrl = m
     since = ctrl.events.next_seq
-    procs.inject(1, "slow", ms=300)
+    procs.inject(1, "slow", ms=1000)
     t0 = time.monotonic()
     assert workers.echo.call(1).get(timeout=DEADLINE_S).values() == [1] * 4
-    assert time.monotonic() - t0 >= 0.3
+    assert time.monotonic() - t0 >= 1.0
     event = wait_event(ctrl, procs, "fault_fired", 1, since)
-    assert event.cause == "slow" and "300 ms" in event.detail
-    t0 = time.monotonic()
-    workers.slice(gpus=0).echo.call_one(1).get(timeout=DEADLINE_S)
-    assert time.monotonic() - t0 < 0.3  # the others are not slowed
+    assert event.cause == "slow" and "1000 ms" in event.detail
+    straggler = workers.slice(gpus=1).echo.call_one(2)
+    assert workers.slice(gpus=0).echo.call_one(1).get(timeout=DEADLINE_S) == 1
+    assert not straggler.done()  # the others are not slowed: rank 0 answered while rank 1 still waits
+    assert straggler.get(timeout=DEADLINE_S) == 2
 
 
 def test_partition_looks_hung_and_is_fenced(m):

@@ -54,6 +54,9 @@ class Backend(Protocol):
         """Start ``extent.nelements`` procs over ``hosts`` (and ``spares`` warm spares per host that
         imported ``preload``); return the new proc mesh's name."""
 
+    def attach_hosts(self, workers: list[str], ca: str | None) -> list[str]:
+        """Attach the worker loops at ``workers``; return their host names."""
+
     def spawn_actors(
         self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict
     ) -> None:

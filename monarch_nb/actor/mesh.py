@@ -84,6 +84,11 @@ class HostMesh(MeshBase):
     def _with_shape(self, shape: Shape) -> "HostMesh":
         return HostMesh(self._hosts, shape)
 
+    @property
+    def host_names(self) -> list[str]:
+        """The names of this mesh's hosts (as the supervision tree shows them), in rank order."""
+        return [self._hosts[r] for r in self._shape.ranks]
+
     def spawn_procs(
         self, per_host: dict[str, int] | None = None, *, name: str | None = None, spares: int = 0,
         preload: Sequence[str] = (),

@@ -22,20 +22,19 @@ rank that dies while being asked answers with a clear error instead of silence.
 
 from __future__ import annotations
 
-import linecache
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..errors import MonarchError, SupervisionError
+from ..errors import SupervisionError
 from ..supervision.records import ProcState
+from . import requests
 from . import stacks as stacks_mod
+from .requests import COMMAND_TIMEOUT_S, QUICK_TIMEOUT_S, DebugError
 
 if TYPE_CHECKING:
     from ..actor.mesh import ProcMesh
-    from ..runtime.controller import Controller
     from ..supervision.records import ProcRecord
 
 __all__ = [
@@ -51,26 +50,6 @@ __all__ = [
     "stacks",
     "format_stacks",
 ]
-
-#: Seconds a quick request (list, attach, stack) may take before the rank counts as not answering.
-QUICK_TIMEOUT_S = 3.0
-#: Seconds a pdb command may run before the caller gets "still running" (the command goes on).
-COMMAND_TIMEOUT_S = 30.0
-_MAX_SOURCE_BYTES = 8 << 20
-
-
-class DebugError(MonarchError, LookupError):
-    """A rank cannot be debugged as asked: unknown, dead, or nothing to debug there.
-
-    The message says what is available instead. Attributes: ``rank`` (int or None) and
-    ``available`` (the :class:`DebugTarget` list at the time).
-    """
-
-    def __init__(self, message: str, rank: int | None = None, available: list["DebugTarget"] | None = None):
-        super().__init__(message)
-        self.rank = rank
-        self.available = list(available or [])
-
 
 @dataclass
 class DebugTarget:
@@ -104,106 +83,7 @@ class DebugTarget:
     def where(self) -> str:
         if not self.function:
             return "-"
-        return f"{self.function} ({_short(self.filename)}:{self.line})"
-
-
-# -- plumbing ---------------------------------------------------------------------------------------
-def _controller() -> "Controller":
-    from ..runtime.controller import Controller
-
-    controller = Controller.existing()
-    if controller is None or not controller.meshes:
-        raise DebugError("nothing to debug: no proc mesh was started (%mesh start 4, or this_host().spawn_procs(...))")
-    return controller
-
-
-def _mesh_name(mesh: "ProcMesh | str | None") -> str:
-    controller = _controller()
-    if mesh is not None and not isinstance(mesh, str):
-        mesh = mesh.name
-    if mesh is not None:
-        if mesh not in controller.meshes:
-            raise DebugError(f"no proc mesh {mesh!r}; meshes: {sorted(controller.meshes)}")
-        return mesh
-    live = [name for name, record in controller.meshes.items() if not record.stopped]
-    if not live:
-        raise DebugError(f"nothing to debug: every proc mesh was stopped ({sorted(controller.meshes)})")
-    return live[-1]
-
-
-def _records(mesh: str) -> list["ProcRecord"]:
-    return _controller().mesh_records(mesh)
-
-
-def _record(mesh: str, rank: Any) -> "ProcRecord":
-    records = _records(mesh)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(records):
-        raise DebugError(
-            f"no rank {rank!r} in proc mesh {mesh!r} (ranks 0..{len(records) - 1}). {_available_text(mesh)}", None
-        )
-    return records[rank]
-
-
-def _send(rec: "ProcRecord", request: dict):
-    """Send one debug request to ``rec``'s proc; a Future of the reply."""
-    from ..runtime.protocol import Kind
-    from ..transport.serialization import dumps
-
-    body, buffers = dumps(request)
-    return _controller().send_request(rec, Kind.DEBUG, body, buffers, str(request.get("op")))
-
-
-def _dead_reason(rec: "ProcRecord") -> str:
-    info = rec.exit_info or {}
-    if rec.fenced:
-        how = "fenced (killed after a hang)"
-    elif info.get("signal"):
-        how = f"killed by {info['signal']}"
-    elif info:
-        how = f"exited with code {info.get('returncode')}"
-    else:
-        how = rec.state
-    return f"{how}; its failures died with it (restart it with procs.restart({rec.rank}))"
-
-
-def _request(rec: "ProcRecord", request: dict, timeout_s: float = QUICK_TIMEOUT_S) -> dict:
-    if not rec.alive or rec.state == ProcState.HUNG:
-        raise DebugError(f"rank {rec.rank} is {'hung' if rec.state == 'hung' else 'dead'}: {_dead_reason(rec)}", rec.rank)
-    future = _send(rec, request)
-    try:
-        return future.get(timeout_s)
-    except SupervisionError as exc:
-        raise DebugError(f"rank {rec.rank} is dead: {exc}", rec.rank) from None
-    except TimeoutError:
-        raise DebugError(
-            f"rank {rec.rank} did not answer within {timeout_s} s (hung? try %mesh stack {rec.rank})", rec.rank
-        ) from None
-
-
-def _cell_sources() -> dict[str, list[str]]:
-    """Source text this process knows but the workers cannot read: notebook cells."""
-    out: dict[str, list[str]] = {}
-    total = 0
-    caches = [linecache.cache, getattr(linecache, "_ipython_cache", {})]
-    for cache in caches:
-        for filename, entry in list(cache.items()):
-            if filename in out or not isinstance(entry, tuple) or len(entry) != 4 or entry[1] is not None:
-                continue
-            lines = entry[2]
-            if not lines or os.path.exists(filename):
-                continue
-            size = sum(len(x) for x in lines)
-            if total + size > _MAX_SOURCE_BYTES:
-                continue
-            total += size
-            out[filename] = list(lines)
-    return out
-
-
-def _short(filename: str | None) -> str:
-    if not filename:
-        return "?"
-    return os.path.basename(filename) or filename
+        return f"{self.function} ({requests.short_path(self.filename)}:{self.line})"
 
 
 # -- listing -----------------------------------------------------------------------------------------
@@ -218,24 +98,24 @@ def debug_targets(mesh: "ProcMesh | str | None" = None, *, include_all_meshes: b
     Raises:
         DebugError: no proc mesh was started, or ``mesh`` is unknown.
     """
-    controller = _controller()
+    controller = requests.get_controller()
     if mesh is None and include_all_meshes is not False:
         names = [n for n, m in controller.meshes.items() if not m.stopped]
     else:
-        names = [_mesh_name(mesh)]
+        names = [requests.resolve_mesh(mesh)]
     targets: list[DebugTarget] = []
     asked = []
     for name in names:
-        for rec in _records(name):
+        for rec in requests.mesh_records(name):
             base = dict(mesh=name, rank=rec.rank, coords=dict(rec.coords), pid=rec.pid)
             if rec.state in (ProcState.FAILED, ProcState.STOPPED) or not rec.alive:
                 if rec.state == ProcState.FAILED:
-                    targets.append(DebugTarget(kind="dead", detail=_dead_reason(rec), **base))
+                    targets.append(DebugTarget(kind="dead", detail=requests.dead_reason(rec), **base))
                 continue
             if rec.state == ProcState.HUNG:
                 targets.append(DebugTarget(kind="unreachable", detail="hung (no heartbeat)", **base))
                 continue
-            asked.append((rec, base, _send(rec, {"op": "list"})))
+            asked.append((rec, base, requests.send_request(rec, {"op": "list"})))
     deadline = time.monotonic() + timeout_s
     for rec, base, future in asked:
         try:
@@ -294,7 +174,14 @@ def format_targets(targets: list[DebugTarget], *, newest_failure_only: bool = Tr
     return "\n".join(lines)
 
 
-def _available_text(mesh: str | None = None) -> str:
+def _rank_record(mesh: str, rank: Any) -> "ProcRecord":
+    try:
+        return requests.rank_record(mesh, rank)
+    except DebugError as exc:
+        raise DebugError(f"{exc}. {available_text(mesh)}", None) from None
+
+
+def available_text(mesh: str | None = None) -> str:
     try:
         targets = [t for t in debug_targets(mesh, include_all_meshes=mesh is None) if t.kind in ("paused", "failed")]
     except DebugError:
@@ -334,8 +221,8 @@ class DebugSession:
 
     def __init__(self, rank: int, mesh: "ProcMesh | str | None" = None, *, failure: int | None = None,
                  session: int | None = None, timeout_s: float = COMMAND_TIMEOUT_S):
-        self.mesh = _mesh_name(mesh)
-        self.record = _record(self.mesh, rank)
+        self.mesh = requests.resolve_mesh(mesh)
+        self.record = _rank_record(self.mesh, rank)
         self.rank = rank
         self.timeout_s = timeout_s
         self._waiting = None
@@ -347,11 +234,11 @@ class DebugSession:
 
     def _attach_reply(self, rec: "ProcRecord", failure: int | None, session: int | None) -> dict:
         try:
-            reply = _request(rec, {"op": "attach", "failure": failure, "session": session, "sources": _cell_sources()})
+            reply = requests.ask(rec, {"op": "attach", "failure": failure, "session": session, "sources": requests.cell_sources()})
         except DebugError as exc:
-            raise DebugError(f"{exc}. {_available_text(self.mesh)}", rec.rank) from None
+            raise DebugError(f"{exc}. {available_text(self.mesh)}", rec.rank) from None
         if "error" in reply:
-            raise DebugError(f"rank {rec.rank}: {reply['error']}. {_available_text(self.mesh)}", rec.rank)
+            raise DebugError(f"rank {rec.rank}: {reply['error']}. {available_text(self.mesh)}", rec.rank)
         return reply
 
     def command(self, line: str, timeout_s: float | None = None) -> str:
@@ -374,8 +261,8 @@ class DebugSession:
             raise DebugError(f"the debug session on rank {self.rank} has ended; %mesh debug lists what is left", self.rank)
         if not self.record.alive:
             self.ended = True
-            raise DebugError(f"rank {self.rank} died: {_dead_reason(self.record)}", self.rank)
-        future = _send(self.record, {"op": "cmd", "session": self.id, "line": line})
+            raise DebugError(f"rank {self.rank} died: {requests.dead_reason(self.record)}", self.rank)
+        future = requests.send_request(self.record, {"op": "cmd", "session": self.id, "line": line})
         done, text = self._collect(future, timeout_s)
         if not done:
             self._waiting = future
@@ -410,9 +297,9 @@ def _sessions_for(ranks: Iterable[int], mesh: str, *, paused_only: bool) -> dict
     post-mortem session on the newest failure)."""
     out: dict[int, list[int]] = {}
     for rank in ranks:
-        rec = _record(mesh, rank)
+        rec = _rank_record(mesh, rank)
         try:
-            listing = _request(rec, {"op": "list"})
+            listing = requests.ask(rec, {"op": "list"})
         except DebugError:
             continue
         paused = [s["session"] for s in listing.get("sessions", []) if s.get("kind") == "breakpoint"]
@@ -438,14 +325,14 @@ def cast(ranks: Iterable[int] | None, line: str, mesh: "ProcMesh | str | None" =
     Raises:
         DebugError: an unknown rank, or no rank at all can be debugged.
     """
-    name = _mesh_name(mesh)
-    all_ranks = [r.rank for r in _records(name)]
+    name = requests.resolve_mesh(mesh)
+    all_ranks = [r.rank for r in requests.mesh_records(name)]
     chosen = sorted(set(all_ranks if ranks is None else ranks))
     for rank in chosen:
-        _record(name, rank)
+        _rank_record(name, rank)
     targets = _sessions_for(chosen, name, paused_only=False)
     if not targets:
-        raise DebugError(f"none of ranks {chosen} has a breakpoint or a failure to debug. {_available_text(name)}")
+        raise DebugError(f"none of ranks {chosen} has a breakpoint or a failure to debug. {available_text(name)}")
     out: dict[int, str] = {}
 
     def run(rank: int) -> tuple[int, str]:
@@ -462,8 +349,8 @@ def cast(ranks: Iterable[int] | None, line: str, mesh: "ProcMesh | str | None" =
         for rank, text in pool.map(run, sorted(targets)):
             out[rank] = text
     for rank in chosen:
-        rec = _record(name, rank)
-        note = "nothing to debug on this rank" if rec.alive else f"dead: {_dead_reason(rec)}"
+        rec = _rank_record(name, rank)
+        note = "nothing to debug on this rank" if rec.alive else f"dead: {requests.dead_reason(rec)}"
         out.setdefault(rank, f"({note})\n")
     return dict(sorted(out.items()))
 
@@ -474,15 +361,15 @@ def continue_all(mesh: "ProcMesh | str | None" = None, timeout_s: float = QUICK_
     Raises:
         DebugError: no proc mesh, or an unknown mesh.
     """
-    name = _mesh_name(mesh)
-    targets = _sessions_for([r.rank for r in _records(name) if r.alive], name, paused_only=True)
+    name = requests.resolve_mesh(mesh)
+    targets = _sessions_for([r.rank for r in requests.mesh_records(name) if r.alive], name, paused_only=True)
     out: dict[int, str] = {}
     for rank, sids in sorted(targets.items()):
-        rec = _record(name, rank)
+        rec = _rank_record(name, rank)
         texts = []
         for sid in sids:
             try:
-                reply = _request(rec, {"op": "cmd", "session": sid, "line": "c"}, timeout_s)
+                reply = requests.ask(rec, {"op": "cmd", "session": sid, "line": "c"}, timeout_s)
                 texts.append(reply.get("output") or f"({reply.get('error')})\n")
             except DebugError as exc:
                 texts.append(f"({exc})\n")
@@ -500,10 +387,10 @@ def wait_paused(count: int = 1, mesh: "ProcMesh | str | None" = None, timeout_s:
         TimeoutError: fewer than ``count`` ranks paused within ``timeout_s`` (the message says how many did).
         DebugError: no proc mesh, or an unknown mesh.
     """
-    name = _mesh_name(mesh)
+    name = requests.resolve_mesh(mesh)
     deadline = time.monotonic() + timeout_s
     while True:
-        paused = [r for r in _records(name) if r.paused]
+        paused = [r for r in requests.mesh_records(name) if r.paused]
         if len(paused) >= count:
             return [t for t in debug_targets(name, include_all_meshes=False) if t.kind == "paused"]
         if time.monotonic() > deadline:
@@ -513,13 +400,13 @@ def wait_paused(count: int = 1, mesh: "ProcMesh | str | None" = None, timeout_s:
 
 def clear_failures(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None = None) -> dict[int, int]:
     """Forget the kept failures (and the memory their frames hold); ``{rank: how many}``."""
-    name = _mesh_name(mesh)
-    chosen = [r.rank for r in _records(name)] if ranks is None else list(ranks)
+    name = requests.resolve_mesh(mesh)
+    chosen = [r.rank for r in requests.mesh_records(name)] if ranks is None else list(ranks)
     out = {}
     for rank in chosen:
-        rec = _record(name, rank)
+        rec = _rank_record(name, rank)
         if rec.alive and rec.state != ProcState.HUNG:
-            out[rank] = _request(rec, {"op": "clear"}).get("cleared", 0)
+            out[rank] = requests.ask(rec, {"op": "clear"}).get("cleared", 0)
     return out
 
 
@@ -532,19 +419,19 @@ def stack_data(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None
     Raises:
         DebugError: no proc mesh, an unknown mesh or rank.
     """
-    name = _mesh_name(mesh)
-    records = _records(name)
+    name = requests.resolve_mesh(mesh)
+    records = requests.mesh_records(name)
     chosen = [r.rank for r in records] if ranks is None else list(ranks)
     asked = {}
     out: dict[int, dict] = {}
     for rank in chosen:
-        rec = _record(name, rank)
+        rec = _rank_record(name, rank)
         if not rec.alive:
-            out[rank] = {"pid": rec.pid, "source": "none", "why": f"rank {rank} is dead: {_dead_reason(rec)}"}
+            out[rank] = {"pid": rec.pid, "source": "none", "why": f"rank {rank} is dead: {requests.dead_reason(rec)}"}
         elif rec.state == ProcState.HUNG or rec.pid == 0:
             out[rank] = stacks_mod.dump_with_signal(rec.pid) if rec.pid else {"pid": 0, "source": "none", "why": "not started"}
         else:
-            asked[rank] = _send(rec, {"op": "stack"})
+            asked[rank] = requests.send_request(rec, {"op": "stack"})
     deadline = time.monotonic() + timeout_s
     for rank, future in asked.items():
         rec = records[rank]
@@ -573,9 +460,9 @@ def format_stacks(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | N
     Raises:
         DebugError: no proc mesh, an unknown mesh or rank.
     """
-    name = _mesh_name(mesh)
+    name = requests.resolve_mesh(mesh)
     data = stack_data(name, ranks, timeout_s)
-    records = _records(name)
+    records = requests.mesh_records(name)
     if len(data) == 1:
         rank, one = next(iter(data.items()))
         return _rank_title(records[rank], one) + "\n" + stacks_mod.format_stack(one)

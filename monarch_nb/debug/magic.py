@@ -30,9 +30,10 @@ import sys
 from typing import Any, Callable
 
 from . import client
+from . import requests
 from .client import DebugError
 
-__all__ = ["debug_command", "stack_command", "frame_namespace", "parse_ranks"]
+__all__ = ["debug_command", "stack_command", "parse_ranks"]
 
 DEBUG_PROMPT = "monarch_nb debug> "
 
@@ -113,8 +114,8 @@ def _say(text: str) -> None:
 
 def _pick_mesh(explicit: str | None) -> str:
     if explicit:
-        return client._mesh_name(explicit)
-    controller = client._controller()
+        return requests.resolve_mesh(explicit)
+    controller = requests.get_controller()
     live = [n for n, m in controller.meshes.items() if not m.stopped]
     if len(live) > 1:
         with_targets = sorted({t.mesh for t in client.debug_targets() if t.kind in ("paused", "failed")})
@@ -124,7 +125,7 @@ def _pick_mesh(explicit: str | None) -> str:
         sess = jupyter.current(required=False) if jupyter is not None else None
         if sess is not None and sess.mesh_name in live:
             return sess.mesh_name
-    return client._mesh_name(None)
+    return requests.resolve_mesh(None)
 
 
 def _split_options(line: str) -> tuple[list[str], dict]:
@@ -194,11 +195,11 @@ def _dispatch(argv: list[str], mesh: str, options: dict, read: Callable[[str], s
     if head == "cast":
         if len(argv) < 3:
             raise DebugError("usage: cast RANKS CMD (e.g. cast 0,1 p x)")
-        world = len(client._records(mesh))
+        world = len(requests.mesh_records(mesh))
         try:
             ranks = parse_ranks(argv[1], world)
         except ValueError as exc:
-            raise DebugError(f"{exc}. {client._available_text(mesh)}") from None
+            raise DebugError(f"{exc}. {client.available_text(mesh)}") from None
         outputs = client.cast(ranks, " ".join(argv[2:]), mesh)
         for rank, text in outputs.items():
             _say(f"--- rank {rank} ---")
@@ -212,7 +213,7 @@ def _dispatch(argv: list[str], mesh: str, options: dict, read: Callable[[str], s
             _say(f"rank {rank}: {text.strip() or 'continued'}")
         return False
     if head == "clear":
-        world = len(client._records(mesh))
+        world = len(requests.mesh_records(mesh))
         ranks = parse_ranks(argv[1], world) if len(argv) > 1 else None
         cleared = client.clear_failures(mesh, ranks)
         _say(", ".join(f"rank {r}: {n} failure(s) dropped" for r, n in cleared.items()) or "nothing to clear")
@@ -229,7 +230,7 @@ def _attach(rank_text: str, mesh: str, options: dict, read: Callable[[str], str]
     try:
         rank = int(rank_text)
     except ValueError:
-        raise DebugError(f"{rank_text!r} is not a rank. {client._available_text(mesh)}") from None
+        raise DebugError(f"{rank_text!r} is not a rank. {client.available_text(mesh)}") from None
     failure = int(options["failure"]) if options.get("failure") else None
     session = client.DebugSession(rank, mesh, failure=failure)
     _pdb_loop(session, read)
@@ -285,7 +286,7 @@ def _debug_loop(mesh: str, read: Callable[[str], str]) -> None:
 
 
 def _print_stacks(mesh: str, argv: list[str]) -> None:
-    world = len(client._records(mesh))
+    world = len(requests.mesh_records(mesh))
     try:
         ranks = parse_ranks(",".join(argv), world) if argv else None
     except ValueError as exc:

@@ -1,10 +1,8 @@
-"""Controller side of ``%%mesh``: run a cell on ranks, route each rank's output into that cell.
+"""Controller side of ``%%mesh``: one cell running on some ranks, and what each rank did.
 
 A :class:`CellRun` sends the cell to the selected ranks' :class:`~.worker.CellExecutor` and
-collects, per rank, the output lines, rich displays, the last expression's value and the error.
-The :class:`OutputRouter` (one per controller, installed in ``Controller.output_sinks`` in place
-of the default printer) reads the executor's marker lines and hands every line written between
-a cell's ``begin`` and ``end`` markers to that cell's run; other lines go to the default printer.
+collects, per rank, the output lines, rich displays, the last expression's value and the error;
+:mod:`.routing` brings it the lines between the cell's markers.
 
 Completeness: a rank is done when its reply has arrived **and** the ``end`` markers of both its
 streams have (output travels proc → host agent → controller, the reply proc → controller, so the
@@ -12,9 +10,8 @@ reply may overtake the output). A rank whose proc died is done at its failure, w
 controller reports only after the dead proc's last output. Nothing is shown twice: a line is
 delivered to exactly one place.
 
-Where the output appears: the cell that started the run. A blocking cell writes from the kernel's
-main thread; a non-blocking one from a pump thread that sets the cell's parent header on the
-kernel's streams and display publisher (``set_thread_parent``, ipykernel >= 7; see DESIGN §7).
+Where the output appears: the cell that started the run (see :class:`~.routing.CellOutput`).
+A rank's unfinished line (a tqdm bar) is shown in place and replaced until it ends.
 """
 
 from __future__ import annotations
@@ -25,198 +22,26 @@ import json
 import linecache
 import logging
 import queue
-import re
 import secrets
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from ..errors import SupervisionError, format_remote_traceback
-from .worker import MARKER
+from ..errors import SupervisionError
+from .cell_errors import MeshCellError
+from .ranks import format_ranks
+from .routing import CellOutput, router_for
 
-__all__ = ["CellRun", "OutputRouter", "MeshCellError", "parse_ranks", "RankSpecError", "router_for"]
+__all__ = ["CellRun", "RankResult"]
 
 log = logging.getLogger(__name__)
 
-_MARKER_RE = re.compile(re.escape(MARKER) + r"([0-9a-f-]+):(\w+)(?::([^\x1e]*))?\x1e")
 _cell_numbers = itertools.count(1)
 #: how long a rank whose reply came may take to deliver its end markers before we give up on it
 _MARKER_GRACE_S = 10.0
-#: how many ranks' tracebacks an error shows before the summary line
-_TRACEBACKS_SHOWN = 3
 
 
-# -- rank selection ------------------------------------------------------------------------------
-class RankSpecError(ValueError):
-    """A malformed or out-of-range ``--ranks`` value."""
-
-
-RANK_FORMS = "all | N | A-B (inclusive) | A:B[:STEP] (a Python slice) | a comma-separated mix, e.g. 0,2-3"
-
-
-def parse_ranks(spec: str | None, world_size: int) -> list[int]:
-    """The sorted ranks that ``spec`` selects out of ``0..world_size-1``.
-
-    >>> parse_ranks("0,2-3", 4)
-    [0, 2, 3]
-    >>> parse_ranks("::2", 4)
-    [0, 2]
-
-    Raises:
-        RankSpecError: a malformed spec or a rank out of range (the message names the valid forms).
-    """
-    if spec is None or spec.strip() in ("", "all", "*"):
-        return list(range(world_size))
-    chosen: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if ":" in part:
-                pieces = [int(p) if p.strip() else None for p in part.split(":")]
-                if len(pieces) > 3:
-                    raise ValueError(part)
-                if any(p is not None and p < 0 for p in pieces):
-                    raise RankSpecError(f"--ranks {spec!r}: negative numbers are not ranks; valid ranks are 0..{world_size - 1}")
-                if len(pieces) == 3 and pieces[2] == 0:
-                    raise ValueError(part)
-                stop = pieces[1]
-                if stop is not None and stop > world_size:
-                    raise RankSpecError(f"--ranks {spec!r}: {stop} is past the last rank; valid ranks are 0..{world_size - 1}")
-                picked = list(range(world_size))[slice(*pieces)]
-            elif re.fullmatch(r"\d+\s*-\s*\d+", part):
-                lo, hi = (int(p) for p in part.split("-"))
-                if lo > hi:
-                    raise RankSpecError(f"--ranks {spec!r}: range {part} runs backwards (write {hi}-{lo})")
-                picked = list(range(lo, hi + 1))
-            else:
-                picked = [int(part)]
-        except RankSpecError:
-            raise
-        except ValueError:
-            raise RankSpecError(f"--ranks {spec!r} is malformed; valid forms: {RANK_FORMS}") from None
-        bad = [r for r in picked if not 0 <= r < world_size]
-        if bad:
-            raise RankSpecError(f"--ranks {spec!r}: rank {bad[0]} is out of range; valid ranks are 0..{world_size - 1}")
-        chosen.update(picked)
-    if not chosen:
-        raise RankSpecError(f"--ranks {spec!r} selects no rank; valid ranks are 0..{world_size - 1}")
-    return sorted(chosen)
-
-
-def format_ranks(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    parts = []
-    for _, group in itertools.groupby(enumerate(sorted(ranks)), lambda p: p[1] - p[0]):
-        run = [r for _, r in group]
-        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(parts)
-
-
-# -- errors --------------------------------------------------------------------------------------
-class MeshCellError(Exception):
-    """A ``%%mesh`` cell failed on some ranks. Renders as per-rank remote tracebacks + a summary.
-
-    Attributes:
-        errors: rank -> the remote traceback dict (or a SupervisionError for a dead proc).
-        interrupted: ranks stopped by an interrupt.
-    """
-
-    def __init__(self, errors: dict[int, Any], selected: list[int], interrupted: list[int] | None = None):
-        self.errors = dict(sorted(errors.items()))
-        self.selected = list(selected)
-        self.interrupted = sorted(interrupted or [])
-        super().__init__(self.summary())
-
-    def summary(self) -> str:
-        ranks = sorted(self.errors)
-        kinds = sorted({_error_type(e) for e in self.errors.values()})
-        if self.interrupted and set(self.interrupted) >= set(ranks):
-            return f"interrupted on rank(s) {format_ranks(self.interrupted)} of {format_ranks(self.selected)}"
-        return f"{len(ranks)} of {len(self.selected)} rank(s) failed: {format_ranks(ranks)} ({', '.join(kinds)})"
-
-    def _render_traceback_(self) -> list[str]:
-        out: list[str] = []
-        shown = [r for r in self.errors if r not in self.interrupted] or list(self.errors)[:1]
-        for rank in shown[:_TRACEBACKS_SHOWN]:
-            out.append(f"[{rank}:traceback]")
-            out += render_error(self.errors[rank]).rstrip("\n").split("\n")
-        if len(shown) > _TRACEBACKS_SHOWN:
-            out.append(f"... {len(shown) - _TRACEBACKS_SHOWN} more rank(s) failed the same way or otherwise: "
-                       f"{format_ranks(shown[_TRACEBACKS_SHOWN:])}")
-        out.append(f"MeshCellError: {self.summary()}")
-        return out
-
-    def __str__(self) -> str:
-        return self.summary()
-
-
-def _error_type(error: Any) -> str:
-    if isinstance(error, BaseException):
-        return type(error).__name__
-    return error.get("type", "Exception")
-
-
-def render_error(error: Any) -> str:
-    if isinstance(error, SupervisionError):
-        return f"SupervisionError: {error}\n"
-    if isinstance(error, BaseException):
-        return f"{type(error).__name__}: {error}\n"
-    if not error.get("frames") and error.get("type") == "SyntaxError":
-        return f"SyntaxError: {error.get('message', '')}\n"
-    return format_remote_traceback(error)
-
-
-# -- where output goes ---------------------------------------------------------------------------
-class CellOutput:
-    """Writes into the output area of the cell that was executing when this was made."""
-
-    def __init__(self) -> None:
-        self.parent: dict | None = None
-        self.shell = None
-        self.main_thread = threading.get_ident()
-        try:
-            from IPython import get_ipython
-
-            self.shell = get_ipython()
-        except ImportError:
-            pass
-        kernel = getattr(self.shell, "kernel", None)
-        if kernel is not None:
-            self.parent = kernel.get_parent()
-
-    def bind_thread(self) -> None:
-        """Make writes from the calling (non-main) thread land in the cell (ipykernel >= 7)."""
-        if self.parent is None or threading.get_ident() == self.main_thread:
-            return
-        for stream in (sys.stdout, sys.stderr):
-            if hasattr(stream, "set_thread_parent"):
-                stream.set_thread_parent(self.parent)
-        pub = getattr(self.shell, "display_pub", None)
-        if hasattr(pub, "set_thread_parent"):
-            pub.set_thread_parent(self.parent)
-
-    def stream(self, name: str, text: str) -> None:
-        target = sys.stderr if name == "stderr" else sys.stdout
-        target.write(text)
-
-    def display(self, data: dict, metadata: dict | None = None) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if self.shell is None:
-            sys.stdout.write(str(data.get("text/plain", "")) + "\n")
-            return
-        from IPython.display import publish_display_data
-
-        publish_display_data(data, metadata or {})
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-# -- one run -------------------------------------------------------------------------------------
 @dataclass
 class RankResult:
     """What one rank did in a cell."""
@@ -307,9 +132,15 @@ class CellRun:
         self._on_reply(rank, None if exc is not None else future.get(), exc)
 
     # -- events from the IO thread (router) and reply callbacks -------------------------------------
-    def on_line(self, rank: int, stream: str, text: str) -> None:
+    def on_line(self, rank: int, stream: str, text: str, partial: bool = False) -> None:
+        """A line of ``rank``'s cell output; ``partial``: the current content of an unfinished
+        line (shown in place when streaming, never kept: the whole line comes later)."""
         res = self.results.get(rank)
         if res is None:
+            return
+        if partial:
+            if self.stream_output:
+                self._queue.put(("partial", rank, stream, text))
             return
         with self._lock:
             res.outputs.append((stream, text))
@@ -393,6 +224,35 @@ class CellRun:
                 return False
         return True
 
+    def wait_interactive(self, timeout: float | None = None, interval_s: float = 0.1, file: Any = None) -> bool:
+        """Wait with a live progress bar of the ranks done: tqdm.auto, so a bar widget in a
+        notebook and a text bar on stderr (or ``file``) in a terminal.
+
+        Returns True when every rank is done, False when ``timeout`` seconds passed first.
+        """
+        from tqdm.auto import tqdm
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        total = len(self.ranks)
+        with tqdm(total=total, desc=f"{self.filename} rank(s) {format_ranks(self.ranks)}", unit="rank",
+                  file=file, leave=True) as bar:
+            while True:
+                self.check_stragglers()
+                finished = self._done.is_set()
+                done = total if finished else sum(1 for res in self.results.values() if res.done)
+                if done != bar.n:
+                    bar.update(done - bar.n)
+                if finished:
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                left = interval_s if deadline is None else max(0.0, min(interval_s, deadline - time.monotonic()))
+                self._done.wait(left)
+
+    def running_ranks(self) -> list[int]:
+        """The ranks that have not finished the cell yet."""
+        return [r for r, res in self.results.items() if not res.done]
+
     def interrupt(self) -> list[int]:
         """Interrupt the cell on every selected rank still running it; return those ranks."""
         running = [r for r, res in self.results.items() if not res.done]
@@ -427,6 +287,7 @@ class CellRun:
     def _show_items(self, items: list) -> bool:
         buffered: list[str] = []
         buffered_stream = None
+        live = self.output.live
 
         def flush_text() -> None:
             nonlocal buffered, buffered_stream
@@ -434,14 +295,26 @@ class CellRun:
                 self.output.stream(buffered_stream, "".join(buffered))
             buffered, buffered_stream = [], None
 
+        last = {(item[1], item[2]): i for i, item in enumerate(items) if item[0] in ("line", "partial")}
         finished = False
-        for item in items:
-            if item[0] == "line":
+        for i, item in enumerate(items):
+            if item[0] in ("line", "partial"):
                 _, rank, stream, text = item
+                key = (self.cell_id, rank, stream)
+                shown = f"[{stream}:{rank}] {text}"
+                if item[0] == "partial":
+                    if last[(rank, stream)] == i:  # else a newer state of this line follows
+                        flush_text()
+                        live.show(key, shown, stream)
+                    continue
+                if live.active(key):  # the line shown in place ends: it stays where it is
+                    flush_text()
+                    live.show(key, shown, stream, final=True)
+                    continue
                 if buffered_stream not in (None, stream):
                     flush_text()
                 buffered_stream = stream
-                buffered.append(f"[{stream}:{rank}] {text}\n")
+                buffered.append(shown + "\n")
             elif item[0] == "display":
                 flush_text()
                 _, rank, bundle = item
@@ -530,106 +403,3 @@ class CellRun:
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"<CellRun {self.filename} ranks {format_ranks(self.ranks)} {state}, {self.elapsed_s:.2f} s>"
-
-
-# -- the router ----------------------------------------------------------------------------------
-class OutputRouter:
-    """The controller's output sink for ``%%mesh``: per (mesh, rank, stream), which cell is on."""
-
-    def __init__(self, fallback: Callable[[Any], None] | None):
-        self.fallback = fallback
-        self._runs: dict[str, tuple[str, CellRun]] = {}  # cell id -> (mesh, run)
-        self._active: dict[tuple[str, int, str], CellRun] = {}
-        self._lock = threading.Lock()
-
-    def register(self, run: CellRun) -> None:
-        with self._lock:
-            self._runs[run.cell_id] = (run.session.mesh_name, run)
-
-    def unregister(self, run: CellRun) -> None:
-        with self._lock:
-            self._runs.pop(run.cell_id, None)
-            for key in [k for k, v in self._active.items() if v is run]:
-                del self._active[key]
-
-    def on_proc_exit(self, mesh: str, rank: int) -> None:
-        with self._lock:
-            runs = [run for (m, run) in self._runs.values() if m == mesh and rank in run.results]
-            for stream in ("stdout", "stderr"):
-                self._active.pop((mesh, rank, stream), None)
-        for run in runs:
-            run.on_proc_failed(rank)
-
-    def __call__(self, line: Any) -> None:
-        text = line.text
-        if MARKER not in text:
-            self._deliver(line, text)
-            return
-        while True:
-            match = _MARKER_RE.search(text)
-            if match is None:
-                if text:
-                    self._deliver(line, text)
-                return
-            if match.start():
-                self._deliver(line, text[: match.start()])
-            self._marker(line, *match.groups())
-            text = text[match.end():]
-            if not text:
-                return
-
-    def _deliver(self, line: Any, text: str) -> None:
-        run = self._active.get((line.mesh, line.rank, line.stream))
-        if run is not None:
-            run.on_line(line.rank, line.stream, text)
-        elif self.fallback is not None:
-            if text is line.text:
-                self.fallback(line)
-            else:
-                self.fallback(type(line)(line.mesh, line.rank, line.stream, text))
-
-    def _marker(self, line: Any, cell_id: str, kind: str, payload: str | None) -> None:
-        entry = self._runs.get(cell_id)
-        run = entry[1] if entry is not None else None
-        key = (line.mesh, line.rank, line.stream)
-        if kind == "begin":
-            if run is not None:
-                self._active[key] = run
-        elif kind == "end":
-            if self._active.get(key) is run:
-                self._active.pop(key, None)
-            if run is not None:
-                run.on_end(line.rank, line.stream)
-        elif kind == "display":
-            target = run or self._active.get(key)
-            if target is not None:
-                target.on_display(line.rank, payload or "")
-
-
-_routers: dict[int, OutputRouter] = {}
-_routers_lock = threading.Lock()
-
-
-def router_for(controller: Any) -> OutputRouter:
-    """The controller's router, installed on first use in place of its default printer."""
-    with _routers_lock:
-        router = _routers.get(id(controller))
-        if router is not None and router in controller.output_sinks:
-            return router
-        from ..runtime.controller import print_output
-
-        sinks = controller.output_sinks
-        fallback = print_output if print_output in sinks else None
-        router = OutputRouter(fallback)
-        if fallback is not None:
-            sinks[sinks.index(print_output)] = router
-        else:
-            sinks.insert(0, router)
-        _routers[id(controller)] = router
-
-        def on_event(event: Any) -> None:
-            if event.kind in ("proc_exited", "proc_hung", "proc_restarting"):
-                router.on_proc_exit(event.mesh, event.rank)
-
-        controller.events.subscribe(on_event)
-        return router

@@ -21,6 +21,7 @@ Recognised inputs:
 
 from __future__ import annotations
 
+import html
 import logging
 import statistics
 import threading
@@ -31,6 +32,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from .fallback import StaticFallback
 from .refresh import refresh_loop
 
 __all__ = ["TrainingDashboard", "FIGURES"]
@@ -133,7 +135,7 @@ _CSS = """
 """
 
 
-class TrainingDashboard(anywidget.AnyWidget):
+class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
     """Live view of a training run. ``%mesh train`` shows one; ``attach(run)`` follows a run."""
 
     _esm = traitlets.Unicode(_ESM).tag(sync=True)
@@ -342,6 +344,31 @@ class TrainingDashboard(anywidget.AnyWidget):
             if report != self.report:
                 self.report = report
         self.updates += 1
+
+    # -- the static fallback (saved notebooks, after %mesh stop) ------------------------------------
+    def _summary_lines(self) -> list[str]:
+        self._push()  # the state as of now, not as of the last refresh
+        p = self.progress
+        head = f"training: step {p.get('step', 0)}/{p.get('total') or '?'} · {p.get('status', '')}"
+        if p.get("loss") is not None:
+            head += f" · loss {p['loss']:.4f}"
+        if p.get("live_ranks") is not None:
+            head += f" · live ranks {p['live_ranks']}"
+        figures = " · ".join(f"{k} {v['median_ms']:.0f} ms (n={v['n']})" for k, v in self.figures.items())
+        lines = [head, "recovery: " + (figures or "no failure")]
+        lines += [f"{e['clock']}  {'step ' + str(e['step']) + '  ' if e.get('step') is not None else ''}{e['label']}"
+                  for e in self.timeline[-10:]]
+        return lines
+
+    def static_text(self) -> str:
+        return "\n".join(self._summary_lines() + ([self.report] if self.report else []))
+
+    def static_html(self) -> str:
+        lines = self._summary_lines()
+        body = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
+        report = f"<pre>{html.escape(self.report)}</pre>" if self.report else ""
+        return (f'<div class="mnb-dash-static" style="font-size:12px">{body}{report}'
+                '<div style="color:#777;font-style:italic">a snapshot of the training dashboard</div></div>')
 
     def close(self) -> None:
         self._stop.set()

@@ -15,6 +15,8 @@ and clicks can be simulated with :meth:`SupervisionTree.click`.
 
 from __future__ import annotations
 
+import html
+import json
 import logging
 import threading
 import time
@@ -25,6 +27,7 @@ import anywidget
 import traitlets
 
 from ..supervision.records import ProcState
+from .fallback import StaticFallback
 from .refresh import refresh_loop
 
 __all__ = ["SupervisionTree", "BUTTON_FAULTS"]
@@ -41,10 +44,11 @@ _FAILURE_EVENTS = ("proc_exited", "proc_hung")
 #: states a failed proc passes through while it comes back (shown as failed for FAILED_HOLD_S)
 _RECOVERING = (ProcState.RESTARTING, ProcState.STARTING, ProcState.FAILED)
 
-_ESM = r"""
-const COLORS = {healthy: "#2e7d32", busy: "#1565c0", paused: "#00838f", starting: "#9e9e9e", hung: "#ef6c00",
-  failed: "#c62828", restarting: "#6a1b9a", stopping: "#757575", stopped: "#757575"};
-const FAULTS = ["kill", "hang", "nan", "slow", "partition", "raise"];
+#: the dot colour of each state (the live view and the static fallback)
+COLORS = {"healthy": "#2e7d32", "busy": "#1565c0", "paused": "#00838f", "starting": "#9e9e9e", "hung": "#ef6c00",
+          "failed": "#c62828", "restarting": "#6a1b9a", "stopping": "#757575", "stopped": "#757575"}
+
+_ESM = "const COLORS = " + json.dumps(COLORS) + ";\nconst FAULTS = " + json.dumps(list(BUTTON_FAULTS)) + ";\n" + r"""
 
 function el(tag, attrs = {}, ...kids) {
   const e = document.createElement(tag);
@@ -170,7 +174,7 @@ _CSS = """
 """
 
 
-class SupervisionTree(anywidget.AnyWidget):
+class SupervisionTree(StaticFallback, anywidget.AnyWidget):
     """The supervision tree of this kernel's controller, live. ``%mesh tree`` shows one.
 
     Args:
@@ -354,6 +358,36 @@ class SupervisionTree(anywidget.AnyWidget):
             self._busy.discard(key)
             self._dirty.set()
 
+    # -- the static fallback (saved notebooks, after %mesh stop) ------------------------------------
+    def _rows(self) -> list[tuple[int, dict]]:
+        rows: list[tuple[int, dict]] = []
+
+        def visit(node: dict, depth: int) -> None:
+            rows.append((depth, node))
+            for child in node.get("children", []):
+                visit(child, depth + 1)
+
+        if self.tree.get("kind"):
+            visit(self.tree, 0)
+        return rows
+
+    def static_text(self) -> str:
+        lines = ["  " * depth + _node_label(node) for depth, node in self._rows()] or ["(no controller)"]
+        return "\n".join(lines + [f"({self.status})" if self.status else ""]).rstrip()
+
+    def static_html(self) -> str:
+        out = ['<div class="mnb-tree-static" style="font-family:monospace;font-size:12px;line-height:1.7">']
+        for depth, node in self._rows():
+            color = COLORS.get(node.get("state", ""), "#9e9e9e")
+            out.append(f'<div data-state="{html.escape(str(node.get("state", "")))}" style="margin-left:{depth * 18}px">'
+                       f'<span style="display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px;'
+                       f'background:{color}"></span>{html.escape(_node_label(node))}</div>')
+        if self.status:
+            out.append(f'<div style="color:#555">{html.escape(self.status)}</div>')
+        out.append('<div style="color:#777;font-style:italic">a snapshot of the supervision tree; '
+                   '%mesh tree shows it live</div></div>')
+        return "".join(out)
+
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
         self._stop.set()
@@ -362,6 +396,29 @@ class SupervisionTree(anywidget.AnyWidget):
         if unsubscribe is not None:
             unsubscribe()
         super().close()
+
+
+def _node_label(node: dict) -> str:
+    """One node as the live view labels it (controller, host, proc or actor)."""
+    def fmt(seconds: Any) -> str:
+        return "-" if seconds is None else f"{float(seconds):.1f} s"
+
+    kind = node.get("kind")
+    if kind == "controller":
+        return f"controller · pid {node.get('pid')}"
+    if kind == "host":
+        return f"{node.get('name')} · pid {node.get('pid')} · {node.get('state')}"
+    if kind == "proc":
+        text = (f"rank {node.get('rank')} · {node.get('name')} · pid {node.get('pid')} · {node.get('state')} · "
+                f"heartbeat {fmt(node.get('heartbeat_age_s'))} · restarts {node.get('restarts')}")
+        if node.get("endpoint"):
+            text += f" · {node['endpoint']} ({fmt(node.get('endpoint_running_s'))})"
+        failure = node.get("last_failure")
+        if failure:
+            text += f" · last failure {failure.get('clock')}: {failure.get('cause') or failure.get('kind')}"
+        return text
+    detail = node.get("detail") or {}
+    return f"{node.get('name')} ({detail.get('class', 'actor')}) · {node.get('state')}"
 
 
 def _event_dict(event: Any) -> dict:

@@ -2,17 +2,22 @@
 
 One :class:`CellExecutor` lives on every proc of a mesh started with ``%mesh start``. Its
 ``run_cell`` endpoint compiles a cell, runs it in the rank's namespace (``rank``,
-``world_size``, ``coords`` and whatever earlier cells defined), and returns the value of the
-cell's last expression as display data.
+``world_size``, ``coords``, ``local_rank``, ``device`` and whatever earlier cells defined), and
+returns the value of the cell's last expression as display data. ``device`` is the rank's
+``torch.device`` (``cuda:0``, the one GPU a proc sees, on NVIDIA and ROCm; ``cpu`` otherwise);
+torch is imported only for the first cell that names it. ``set_names`` / ``get_names`` move
+values in and out of the namespace (``%mesh push`` / ``pull``), with tensors and arrays as
+out-of-band buffers. A :class:`MeshProbe` beside it answers ``%mesh status`` while a cell runs.
 
 Output: the cell writes to the proc's real stdout / stderr (file descriptors 1 and 2, which the
 host agent reads), so output of C code and subprocesses is kept too. Before and after the cell,
-the executor writes a *marker line* on both descriptors (``\\x1emnb:<cell id>:begin\\x1e``,
+the executor writes a *marker line* (:mod:`.display_worker`) on both descriptors (``\\x1emnb:<cell id>:begin\\x1e``,
 ``...:end\\x1e``). The controller (:mod:`monarch_nb.jupyter.cells`) attributes the lines between
 the markers to the cell, and a blocking cell returns only once it has seen both end markers of
 every rank: per-rank output is complete and in order (per stream) by construction, including
-what was printed just before an exception. ``display(obj)`` writes a ``display`` marker carrying
-the object's mime bundle on fd 1, so rich output keeps its place among the printed lines.
+what was printed just before an exception. Rich output (``display``, IPython's display API,
+matplotlib, pandas) becomes ``display`` markers on fd 1, so it keeps its place among the printed
+lines (see :mod:`.display_worker`).
 
 Interrupts: the proc's IO thread calls :meth:`CellExecutor.__interrupt__`, which raises
 ``KeyboardInterrupt`` in the thread that runs the cell (``PyThreadState_SetAsyncExc``) while
@@ -24,9 +29,7 @@ C call that blocks (a collective waiting for a dead peer) ends first.
 from __future__ import annotations
 
 import ast
-import base64
 import ctypes
-import json
 import linecache
 import os
 import sys
@@ -36,11 +39,11 @@ import traceback
 from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
+from . import display_worker
+from .display_worker import MARKER, flush_all, marker_line, mime_bundle, write_all
 
-__all__ = ["CellExecutor", "MARKER", "marker_line", "mime_bundle"]
+__all__ = ["CellExecutor", "MeshProbe", "MARKER", "marker_line", "mime_bundle"]
 
-#: Marker lines start and end with ASCII record separators, which printed text hardly contains.
-MARKER = "\x1emnb:"
 _SLEEP_SLICE_S = 0.05
 
 _interruptible: set[int] = set()
@@ -59,82 +62,8 @@ def _interruptible_sleep(seconds: float) -> None:
         _original_sleep(min(left, _SLEEP_SLICE_S))
 
 
-def marker_line(cell_id: str, kind: str, payload: str = "") -> bytes:
-    """The bytes of one marker line (with its newline)."""
-    tail = f":{payload}" if payload else ""
-    return f"{MARKER}{cell_id}:{kind}{tail}\x1e\n".encode()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _flush_all() -> None:
-    """Flush Python's and C stdio's buffers, so marker lines follow everything printed before."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except Exception:
-        pass
-
-
-def mime_bundle(value: Any) -> dict:
-    """Display data of ``value``: ``text/plain`` always, rich forms where the object offers them."""
-    data: dict[str, Any] = {}
-    method = getattr(value, "_repr_mimebundle_", None)
-    if callable(method) and not isinstance(value, type):
-        try:
-            got = method()
-            if isinstance(got, tuple):
-                got = got[0]
-            if isinstance(got, dict):
-                data.update(got)
-        except Exception:
-            pass
-    for mime, name in (
-        ("text/html", "_repr_html_"),
-        ("text/markdown", "_repr_markdown_"),
-        ("image/svg+xml", "_repr_svg_"),
-        ("image/png", "_repr_png_"),
-        ("image/jpeg", "_repr_jpeg_"),
-        ("text/latex", "_repr_latex_"),
-        ("application/json", "_repr_json_"),
-    ):
-        method = getattr(value, name, None)
-        if mime in data or not callable(method) or isinstance(value, type):
-            continue
-        try:
-            got = method()
-        except Exception:
-            continue
-        if got is None:
-            continue
-        if isinstance(got, tuple):
-            got = got[0]
-        if isinstance(got, bytes):
-            got = base64.b64encode(got).decode()
-        data[mime] = got
-    if "image/png" not in data and type(value).__name__ == "Figure" and hasattr(value, "savefig"):
-        import io
-
-        buf = io.BytesIO()
-        value.savefig(buf, format="png", bbox_inches="tight")
-        data["image/png"] = base64.b64encode(buf.getvalue()).decode()
-    if "text/plain" not in data:
-        try:
-            import pprint
-
-            data["text/plain"] = pprint.pformat(value)
-        except Exception as exc:  # a broken __repr__ must not lose the cell's result
-            data["text/plain"] = f"<{type(value).__name__} object; repr failed: {exc!r}>"
-    return data
+def _names_used(tree: ast.AST) -> set[str]:
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
 class CellExecutor(Actor):
@@ -153,13 +82,13 @@ class CellExecutor(Actor):
             "world_size": self.world_size,
             "coords": dict(point),
             "local_rank": int(os.environ.get("LOCAL_RANK", self.rank)),
-            "display": self._display,
+            "display": display_worker.display,
         }
         self._lock = threading.Lock()
         self._user_thread: int | None = None
         self._interrupted = False
-        self._cell_id = ""
         time.sleep = _interruptible_sleep  # only cell threads slice their sleeps; see the module doc
+        display_worker.install()
 
     # -- interrupts (called on the proc's IO thread) ---------------------------------------------
     def __interrupt__(self, thread_ident: int | None = None) -> bool:
@@ -184,21 +113,21 @@ class CellExecutor(Actor):
         ``"interrupted": True`` when the cell was interrupted.
         """
         options = options or {}
-        self._cell_id = cell_id
+        display_worker.set_current_cell(cell_id)
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        _flush_all()
+        flush_all()
         for fd in (1, 2):
-            _write_all(fd, marker_line(cell_id, "begin"))
+            write_all(fd, marker_line(cell_id, "begin"))
         try:
             try:
                 result = self._run_user(source, filename, options)
             except KeyboardInterrupt as exc:  # an interrupt that landed just after the user code
                 result = self._error(exc, filename, interrupted=True)
         finally:
-            _flush_all()
+            flush_all()
             for fd in (1, 2):
-                _write_all(fd, marker_line(cell_id, "end"))
-            self._cell_id = ""
+                write_all(fd, marker_line(cell_id, "end"))
+            display_worker.set_current_cell("")
         return result
 
     @endpoint
@@ -225,6 +154,41 @@ class CellExecutor(Actor):
         """The names defined in this rank's namespace (without the dunder ones)."""
         return sorted(k for k in self.namespace if not k.startswith("__"))
 
+    @endpoint
+    def set_names(self, values: dict) -> list[str]:
+        """Bind each ``name -> value`` of ``values`` in this rank's namespace (``%mesh push``)."""
+        bad = [name for name in values if not isinstance(name, str) or not name.isidentifier()]
+        if bad:
+            raise ValueError(f"not Python names: {bad!r}")
+        self.namespace.update(values)
+        return sorted(values)
+
+    @endpoint
+    def get_names(self, names: list) -> dict:
+        """``name -> value`` of ``names`` in this rank's namespace (``%mesh pull``).
+
+        Raises:
+            NameError: a name is not defined on this rank.
+            TypeError: a value cannot be sent (pickled); the message names its type.
+        """
+        from ..transport.serialization import SerializationError, dumps
+
+        missing = [n for n in names if n not in self.namespace]
+        if missing:
+            raise NameError(f"name {missing[0]!r} is not defined on rank {self.rank}")
+        out = {n: self.namespace[n] for n in names}
+        for name, value in out.items():
+            try:
+                dumps(value)
+            except SerializationError as exc:
+                raise TypeError(f"{name} ({type(value).__name__}) cannot be sent from rank {self.rank}: {exc}") from None
+        return out
+
+    @endpoint
+    def idle(self) -> int:
+        """Answers once every cell queued before it on this rank has finished (``%mesh barrier``)."""
+        return self.rank
+
     # -- internals --------------------------------------------------------------------------------
     def _namespace(self, options: dict) -> dict:
         if options.get("frame"):
@@ -235,11 +199,19 @@ class CellExecutor(Actor):
             return frame_namespace()
         return self.namespace
 
+    def _predefine(self, namespace: dict, tree: ast.AST) -> None:
+        """Names defined on first use: ``device`` imports torch only for a cell that names it."""
+        if "device" not in namespace and "device" in _names_used(tree):
+            from .. import device
+
+            namespace["device"] = device.device()
+
     def _run_user(self, source: str, filename: str, options: dict) -> dict:
         me = threading.get_ident()
         try:
             namespace = self._namespace(options)
             tree = ast.parse(source, filename=filename, mode="exec")
+            self._predefine(namespace, tree)
             last = None
             if tree.body and isinstance(tree.body[-1], ast.Expr):
                 last = ast.Expression(tree.body.pop().value)
@@ -256,6 +228,7 @@ class CellExecutor(Actor):
             exec(body, namespace)
             if last_code is not None:
                 value = eval(last_code, namespace)
+            display_worker.show_open_figures(value)
             error = None
         except BaseException as exc:  # KeyboardInterrupt and SystemExit in a cell are the cell's
             interrupted = isinstance(exc, KeyboardInterrupt) and self._interrupted
@@ -292,13 +265,6 @@ class CellExecutor(Actor):
                 info["message"] = "".join(traceback.format_exception_only(type(exc), exc)).strip().split(": ", 1)[-1]
         return {"ok": False, "value": None, "data": None, "error": info, "interrupted": interrupted}
 
-    def _display(self, *objs: Any, **_: Any) -> None:
-        """``display(obj, ...)`` inside a cell: rich output, in order with the printed lines."""
-        _flush_all()
-        for obj in objs:
-            payload = base64.b64encode(json.dumps(mime_bundle(obj)).encode()).decode()
-            _write_all(1, marker_line(self._cell_id or "-", "display", payload))
-
 
 def _picklable_or_none(value: Any) -> Any:
     from ..transport.serialization import dumps
@@ -308,3 +274,55 @@ def _picklable_or_none(value: Any) -> Any:
     except Exception:
         return None
     return value
+
+
+class MeshProbe(Actor):
+    """Answers ``%mesh status`` on one rank, also while a cell runs there (its own thread).
+
+    ``stats()`` reads the OS and, only where the rank already uses a GPU, torch: it never imports
+    torch or creates a CUDA context on an idle rank.
+    """
+
+    def __init__(self) -> None:
+        self._last = _cpu_seconds(), time.monotonic()
+
+    @endpoint
+    def stats(self) -> dict:
+        """``{"device", "memory_used_bytes", "memory_total_bytes", "memory_note", "cpu_percent"
+        (since the previous call), "rss_bytes"}``."""
+        cpu, now = _cpu_seconds(), time.monotonic()
+        last_cpu, last_t = self._last
+        self._last = cpu, now
+        out: dict[str, Any] = {"cpu_percent": 100.0 * (cpu - last_cpu) / max(now - last_t, 1e-6),
+                               "rss_bytes": _rss_bytes(), "memory_used_bytes": None, "memory_total_bytes": None,
+                               "memory_note": ""}
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            free, total = torch.cuda.mem_get_info(0)
+            out.update(device="cuda:0", memory_used_bytes=total - free, memory_total_bytes=total,
+                       memory_note=f"{torch.cuda.memory_allocated(0)} B by torch here")
+        else:
+            from .. import device
+
+            gpus = device.detect_gpus().count
+            out["device"] = "cuda:0" if gpus else "cpu"
+            out["memory_note"] = "no CUDA context yet" if gpus else ""
+        return out
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

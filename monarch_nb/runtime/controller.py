@@ -24,7 +24,6 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .. import device
 from ..actor import backend
 from ..actor.backend import Target
 from ..actor.future import Future
@@ -39,20 +38,18 @@ from ..transport import shm
 from ..transport.channel import Channel
 from ..transport.serialization import dumps
 from ..transport.wire import Signer, route_id
-from .launch import LocalAgent, proc_specs
+from .hosts import Hosts
+from .launch import RUN_DIR_PREFIX, proc_specs, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
-from .output import LineAssembler, OutputLine, print_output
-from .protocol import CONTROLLER, FAULT_KINDS, AgentEnv, Kind, validate_fault
+from .output import LineAssembler, OutputLine, deliver, print_output
+from .protocol import CONTROLLER, FAULT_KINDS, Kind, validate_fault
 from .rendezvous import LazyStore
 from .supervisor import Supervisor
 
 __all__ = ["Controller", "OutputLine", "print_output"]
 
 log = logging.getLogger(__name__)
-
-_RUN_DIR_PREFIX = "monarch_nb-"
-
 
 class Controller:
     """Owns host agents, proc meshes and the event log. Use :meth:`get`; there is one per process.
@@ -85,9 +82,9 @@ class Controller:
     def __init__(self) -> None:
         self.config = config
         self.signer = Signer(secrets.token_bytes(32), sign_buffers=config.sign_buffers)
-        sweep_stale_run_dirs()
+        sweep_stale_run_dirs()  # of controllers and agents killed before they could clean up
         shm.sweep_stale()
-        self.run_dir = tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
+        self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
         self.run_id = secrets.token_hex(8)
         same_host = config.transport != "tcp"
         self.channel = Channel(CONTROLLER, self.signer, self._on_message, router=True,
@@ -102,13 +99,13 @@ class Controller:
         self.meshes: dict[str, ProcMeshRecord] = {}
         self.hosts: dict[str, HostRecord] = {}
         self.output_sinks: list[Callable[[OutputLine], None]] = [print_output]
-        self._agents: dict[str, LocalAgent] = {}
         self._stores: dict[str, LazyStore] = {}
         self._lines = LineAssembler()
         self._mesh_ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
         self.started_at = time.monotonic()
+        self._hosts = Hosts(self)
         self.liveness = Liveness(self)
         self.supervisor = Supervisor(self)
         self._handlers: dict[str, Callable[[dict, Any, list], None]] = {
@@ -125,6 +122,7 @@ class Controller:
             Kind.SPARES: self._on_spares,
         }
         self.channel.every(config.heartbeat_interval_s, self._tick)
+        self.channel.every(self._lines.quiet_s / 2, self._emit_quiet_lines)
         self.channel.start(name="monarch_nb-controller-io")
         backend.install(self)
         atexit.register(self.shutdown)
@@ -151,7 +149,8 @@ class Controller:
         """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
 
         Raises:
-            ValueError: ``name`` is not a new identifier, or a host is not this one.
+            ValueError: ``name`` is not a new identifier, or an unknown host.
+            AttachError: a host is lost (being attached again).
             RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
         """
         with self._lock:
@@ -161,17 +160,16 @@ class Controller:
                     name = f"pm{next(self._mesh_ids)}"
             elif not name.isidentifier() or name in self.meshes:
                 raise ValueError(f"proc mesh name {name!r} must be a new identifier")
-        host = self._host_agent(hosts[0])
-        inventory = device.detect_gpus()
-        store = LazyStore()
-        specs = proc_specs(
-            name, extent, [host.name], controller=self.address, heartbeat_interval_s=config.heartbeat_interval_s,
-            run_id=self.channel.shm_run_id or "", master_port=store.port,
-            visibility=lambda local_rank: device.visibility_env(local_rank, inventory),
-        )
+        names = [self._hosts.resolve(h).name for h in hosts]
+        placements = {h: self._hosts.placement(h) for h in set(names)}
+        remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
+        store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
+        specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
+                           master=(store.host, store.port))
         cores = _cores()
-        if len(specs) > cores:
-            log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", len(specs), cores, cores)
+        local = sum(1 for s in specs if self._hosts.is_local(s["host"]))
+        if local > cores:
+            log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
         with self._lock:
             for rec in records:
@@ -179,7 +177,9 @@ class Controller:
             self.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records], supervision=SupervisionPolicy())
             self._stores[name] = store
         self.channel.add_reader(store.fd, lambda _fd: self._start_store(store))
-        self.channel.send(host.name, {"kind": Kind.SPAWN_PROCS}, json.dumps(specs).encode())
+        for host in dict.fromkeys(names):
+            batch = [s for s in specs if s["host"] == host]
+            self.channel.send(host, {"kind": Kind.SPAWN_PROCS}, json.dumps(batch).encode())
         deadline = time.monotonic() + config.start_timeout_s
         for rec in records:
             while not rec.ready.wait(0.05):
@@ -189,8 +189,13 @@ class Controller:
                     why = f"exited ({rec.exit_info})" if rec.state == ProcState.FAILED else f"did not start within {config.start_timeout_s} s"
                     raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
         if spares:
-            self._keep_spares(host.name, name, specs[0], spares, preload)
+            for host in dict.fromkeys(names):
+                self._keep_spares(host, name, next(s for s in specs if s["host"] == host), spares, preload)
         return name
+
+    def attach_hosts(self, workers: list[str], ca: str | None = None) -> list[str]:
+        """Attach the worker loops at ``workers``; return their host names (see :func:`attach_to_workers`)."""
+        return self._hosts.attach(list(workers), ca)
 
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
@@ -372,9 +377,14 @@ class Controller:
             raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.meshes)}")
         return [self.procs[i] for i in record.procs]
 
+    def record_host_event(self, kind: str, host: HostRecord, **fields: Any) -> Event:
+        """Append an event about host agent ``host`` (``host_lost``, ``host_returned``)."""
+        return self.events.append(Event(kind, pid=host.pid, host=host.name, **fields))
+
     def record_event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
         """Append an event about ``rec``'s proc to the log (see :data:`~monarch_nb.supervision.events.EVENT_KINDS`)."""
-        return self.events.append(Event(kind, rank=rec.rank, coords=rec.coords, pid=rec.pid, mesh=rec.mesh, **fields))
+        return self.events.append(Event(kind, rank=rec.rank, coords=rec.coords, pid=rec.pid, mesh=rec.mesh, host=rec.host,
+                                        **fields))
 
     def signal_proc(self, identity: str, signame: str) -> None:
         """Have the proc's host agent send it ``signame`` (``"SIGKILL"``, ``"SIGSTOP"``, ...)."""
@@ -389,19 +399,17 @@ class Controller:
         assert future is not None
         return future
 
-    def emit_lines(self, rec: ProcRecord | None, stream: str, lines: list[str], *, mesh: str = "", rank: int = -1) -> None:
-        """Hand ``lines`` of ``rec``'s proc (or of mesh/rank when no record is known) to every sink."""
+    def emit_lines(self, rec: ProcRecord | None, stream: str, lines: list[str], *, mesh: str = "", rank: int = -1,
+                   partial: bool = False) -> None:
+        """Hand ``lines`` of ``rec``'s proc (or of mesh/rank when no record is known) to every sink;
+        ``partial``: the current content of an unfinished line (see :mod:`.output`)."""
         if rec is not None:
             mesh, rank = rec.mesh, rec.rank
         for text in lines:
-            if rec is not None:
+            if rec is not None and not partial:
                 rec.output_tail.append(text)
-            line = OutputLine(mesh, rank, stream, text)
-            for sink in list(self.output_sinks):
-                try:
-                    sink(line)
-                except Exception:
-                    log.exception("output sink %r failed", sink)
+            deliver(self.output_sinks, OutputLine(mesh, rank, stream, text, partial),
+                    lambda sink: log.exception("output sink %r failed", sink))
 
     def flush_output(self, rec: ProcRecord) -> None:
         """Emit the partial lines ``rec``'s proc left unterminated (it exited)."""
@@ -434,34 +442,13 @@ class Controller:
         assert future is not None
         return future
 
-    def _host_agent(self, host: str) -> HostRecord:
-        if host not in ("localhost", "127.0.0.1"):
-            raise ValueError(f"host {host!r}: only the local host is supported here; start remote hosts with `monarch-nb host`")
-        name = "host0"
-        with self._lock:
-            record = self.hosts.get(name)
-            agent = self._agents.get(name)
-            if record is not None and agent is not None and agent.alive():
-                pass
-            else:
-                env = AgentEnv(self.address, self.signer.key.hex(), os.getpid(), self.channel.shm_run_id or "",
-                               config.orphan_check_s, config.heartbeat_interval_s)
-                self._agents[name] = LocalAgent(name, env)
-                record = self.hosts[name] = HostRecord(name, pid=self._agents[name].pid)
-        if not record.ready.wait(config.start_timeout_s):
-            raise RuntimeError(f"host agent {name} did not connect within {config.start_timeout_s} s")
-        return record
-
     def _start_store(self, store: LazyStore) -> None:
         self.channel.remove_reader(store.fd)
         store.start()
 
     def _tick(self) -> None:
+        self._hosts.tick()  # first: a silent host fails its procs as host_lost, not one by one as hung
         self.liveness.check_heartbeats()
-        for name, agent in list(self._agents.items()):
-            record = self.hosts.get(name)
-            if record is not None and record.state == ProcState.HEALTHY and not agent.alive():
-                record.state = ProcState.STOPPED if self._closed else ProcState.FAILED
 
     # -- incoming messages (IO thread) ---------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
@@ -484,8 +471,19 @@ class Controller:
 
     def _on_output(self, header: dict, body: Any, buffers: list) -> None:
         rec = self.procs.get(route_id(header["proc"]))
-        lines = self._lines.feed((header["proc"], header["stream"]), bytes(body))
+        key = (header["proc"], header["stream"])
+        lines = self._lines.feed(key, bytes(body))
         self.emit_lines(rec, header["stream"], lines, rank=header["rank"])
+        redrawn = self._lines.redrawn(key)
+        if redrawn is not None and rec is not None:
+            self.emit_lines(rec, header["stream"], [redrawn], partial=True)
+
+    def _emit_quiet_lines(self) -> None:
+        """Unfinished lines that stopped changing (IO thread timer): hand them out as partial."""
+        for (proc, stream), text in self._lines.quiet():
+            rec = self.procs.get(route_id(proc))
+            if rec is not None:
+                self.emit_lines(rec, stream, [text], partial=True)
 
     def _on_proc_spawned(self, header: dict, body: Any, buffers: list) -> None:
         rec = self.procs.get(route_id(header["proc"]))
@@ -494,11 +492,9 @@ class Controller:
             rec.on_spare = bool(header.get("spare"))
 
     def _on_agent_heartbeat(self, header: dict, body: Any, buffers: list) -> None:
-        host = self.hosts.get(route_id(header["src"]))
+        host = self._hosts.on_heartbeat(header)
         if host is None:
             return
-        host.last_heartbeat = time.monotonic()
-        host.load = float(header.get("load", 0.0))
         stopped = set(header.get("stopped", ()))
         for rec in list(self.procs.values()):
             if rec.host == host.name:
@@ -521,11 +517,7 @@ class Controller:
         self.record_event("fault_fired", rec, detail=header.get("detail", ""), cause=header.get("fault", ""))
 
     def _on_agent_hello(self, header: dict, body: Any, buffers: list) -> None:
-        record = self.hosts.get(route_id(header["src"]))
-        if record is not None:
-            record.pid = header["pid"]
-            record.state = ProcState.HEALTHY
-            record.ready.set()
+        self._hosts.on_hello(header)
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -538,11 +530,7 @@ class Controller:
                 self.stop_procs(name, timeout_s=2.0)
             except Exception:
                 log.exception("stopping %s failed", name)
-        for name in self._agents:
-            self.channel.send(name, {"kind": Kind.SHUTDOWN})
-        for name, agent in self._agents.items():
-            agent.wait(3.0)
-            self.hosts[name].state = ProcState.STOPPED
+        self._hosts.shutdown()
         self._closed = True
         self.supervisor.close()
         self.channel.close()
@@ -552,31 +540,5 @@ class Controller:
             backend.install(None)
 
 
-def sweep_stale_run_dirs() -> int:
-    """Remove run folders of controllers that are gone (their pid is in the folder's name); return how many."""
-    removed = 0
-    root = tempfile.gettempdir()
-    for entry in os.listdir(root):
-        if not entry.startswith(_RUN_DIR_PREFIX):
-            continue
-        pid_text = entry[len(_RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_exists(int(pid_text)):
-            continue
-        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-        removed += 1
-    return removed
-
-
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-

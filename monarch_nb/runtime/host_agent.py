@@ -41,9 +41,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import device
 from ..transport import shm
 from ..transport.channel import Channel
+from ..transport.keys import load_trust
 from ..transport.wire import Signer
+from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .protocol import CONTROLLER, AgentEnv, Kind, ProcEnv
 
 log = logging.getLogger("monarch_nb.host_agent")
@@ -86,23 +89,31 @@ class HostAgent:
     def __init__(self, name: str, env: AgentEnv):
         self.name = name
         self.env = env
-        self.channel = Channel(f"{name}#{os.getpid()}", Signer(bytes.fromhex(env.key_hex)), self._on_message)
+        key = bytes.fromhex(env.key_hex)
+        self.trust = load_trust(env.curve_dir).with_key(key) if env.curve_dir else None
+        self._terminate = False
+        self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
+        self.inventory = device.detect_gpus()
+        self.controller_seen = time.monotonic()
         self._handlers = {
             Kind.SPAWN_PROCS: lambda header, body: [self._spawn(spec) for spec in json.loads(bytes(body))],
             Kind.SIGNAL: lambda header, body: self._signal(header["proc"], header["signal"]),
             Kind.KEEP_SPARES: lambda header, body: self._keep_spares(json.loads(bytes(body))),
             Kind.SHUTDOWN: lambda header, body: self.shutdown(),
+            Kind.CONTROLLER_HEARTBEAT: lambda header, body: None,  # any message counts (see _on_message)
         }
         self.children: dict[int, ChildProc] = {}  # pid -> child
         self.pools: dict[str, SparePool] = {}  # mesh -> what to keep
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.folder = tempfile.mkdtemp(prefix=f"monarch_nb-{os.getpid()}-agent-")
+        sweep_stale_run_dirs()  # of agents killed before they could clean up
+        self.folder = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-agent-")
         self._sigchld_r, self._sigchld_w = os.pipe()
         os.set_blocking(self._sigchld_r, False)
         os.set_blocking(self._sigchld_w, False)
 
     # -- messages from the controller ----------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
+        self.controller_seen = time.monotonic()
         handler = self._handlers.get(header["kind"])
         if handler is None:
             log.warning("unknown message kind %r from %s", header["kind"], header["src"])
@@ -115,6 +126,12 @@ class HostAgent:
         proc_env.agent_pid = os.getpid()
         proc_env.import_lock_dir = self.folder
         proc_env.import_slots = self.cores
+        proc_env.curve_dir = self.env.curve_dir
+        if proc_env.rank >= 0:
+            proc_env.extra.update(device.visibility_env(proc_env.local_rank, self.inventory))
+        # collectives leave through the interface that reaches the controller (lo on one host)
+        proc_env.extra.setdefault("GLOO_SOCKET_IFNAME", self.env.iface)
+        proc_env.extra.setdefault("NCCL_SOCKET_IFNAME", self.env.iface)
         return proc_env
 
     def _spawn(self, spec: dict) -> None:
@@ -368,7 +385,13 @@ class HostAgent:
         self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped})
 
     def _check_parent(self) -> None:
-        if self.env.controller_pid and os.getppid() != self.env.controller_pid:
+        """Exit (taking the procs along) when the controller is gone: the parent pid of a local
+        agent, the controller's heartbeats for a remote one."""
+        if self._terminate or (self.env.controller_pid and os.getppid() != self.env.controller_pid):
+            self.shutdown()
+        if self.env.controller_timeout_s and time.monotonic() - self.controller_seen > self.env.controller_timeout_s:
+            log.warning("controller %s silent for %.1f s: killing this host's procs", self.env.controller,
+                        time.monotonic() - self.controller_seen)
             self.shutdown()
 
     def shutdown(self) -> None:
@@ -392,8 +415,9 @@ class HostAgent:
         signal.set_wakeup_fd(self._sigchld_w, warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_terminate", True))  # acted on by the next check
         self.channel.add_reader(self._sigchld_r, self._on_sigchld)
-        self.channel.connect(self.env.controller)
+        self.channel.connect(self.env.controller, self.trust)
         self.channel.every(self.env.orphan_check_s, self._check_parent)
         self.channel.every(self.env.heartbeat_interval_s, self._heartbeat)
         self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HELLO, "pid": os.getpid(), "host": self.name})

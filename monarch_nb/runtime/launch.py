@@ -14,15 +14,19 @@ environment its mesh was spawned with.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
-from typing import Callable
+import tempfile
 
 from ..actor.shape import Extent
 from ..supervision.records import proc_identity
 from .protocol import AgentEnv, ProcEnv
 
-__all__ = ["LocalAgent", "proc_specs", "package_root"]
+__all__ = ["LocalAgent", "proc_specs", "package_root", "RUN_DIR_PREFIX", "sweep_stale_run_dirs"]
+
+#: Temporary folders of a controller or host agent: ``<tmp>/monarch_nb-<pid>-...``.
+RUN_DIR_PREFIX = "monarch_nb-"
 
 
 def package_root() -> str:
@@ -70,12 +74,10 @@ def proc_specs(
     mesh: str,
     extent: Extent,
     hosts: list[str],
+    placements: dict[str, dict],
     *,
-    controller: str,
     heartbeat_interval_s: float,
-    run_id: str,
-    master_port: int,
-    visibility: Callable[[int], dict],
+    master: tuple[str, int],
 ) -> list[dict]:
     """The start specs of every proc of mesh ``mesh``, in rank order.
 
@@ -83,15 +85,15 @@ def proc_specs(
         mesh: the proc mesh's name.
         extent: its dims; ranks are laid out host-major over ``hosts``.
         hosts: host agent names, one per host.
-        controller: the controller's address.
+        placements: host -> ``{"controller", "base_env", "run_id"}`` (see ``Hosts.placement``):
+            the controller's address as that host reaches it, whether its procs inherit the
+            controller's environment (this machine only) and the shared-memory run id.
         heartbeat_interval_s: seconds between a proc's heartbeats.
-        run_id: the shared-memory run id ("" for none).
-        master_port: the mesh's rendezvous store port (``MASTER_PORT``; ``MASTER_ADDR`` is 127.0.0.1).
-        visibility: ``visibility(local_rank) -> dict`` of device-visibility variables.
+        master: (address, port) of the mesh's rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``).
 
     Returns:
-        One dict per proc: ``{"identity", "rank", "host", "env" (ProcEnv as JSON),
-        "base_env" (the controller's environment now), "cwd"}``.
+        One dict per proc: ``{"identity", "rank", "host", "env" (ProcEnv as JSON), "base_env"
+        (the controller's environment now, or None), "cwd"}``.
     """
     world = extent.nelements
     per_host = world // max(1, len(hosts))
@@ -99,30 +101,55 @@ def proc_specs(
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in [package_root(), base_env.get("PYTHONPATH", "")] if p)
     specs = []
     for point in extent.points():
-        local_rank = point.rank % per_host
+        host = hosts[min(point.rank // per_host, len(hosts) - 1)]
+        where = placements[host]
         env = ProcEnv(
-            controller=controller,
+            controller=where["controller"],
             rank=point.rank,
-            local_rank=local_rank,
+            local_rank=point.rank % per_host,
             world_size=world,
             local_world_size=per_host,
             group_rank=point.rank // per_host,
             coords=dict(point),
             extent=dict(extent),
             heartbeat_interval_s=heartbeat_interval_s,
-            run_id=run_id,
+            run_id=where["run_id"],
             sys_path=[p for p in sys.path if p],
             # torchrun's variables: env:// finds the controller's store, which every rank (rank 0
             # too) joins as a client, as under torchrun's agent
-            extra={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                   **visibility(local_rank)},
+            extra={"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True"},
         )
         specs.append({
             "identity": proc_identity(mesh, point.rank),
             "rank": point.rank,
-            "host": hosts[min(point.rank // per_host, len(hosts) - 1)],
+            "host": host,
             "env": env.to_json(),
-            "base_env": base_env,
-            "cwd": os.getcwd(),
+            "base_env": base_env if where["base_env"] else None,
+            "cwd": os.getcwd() if where["base_env"] else None,
         })
     return specs
+
+
+def sweep_stale_run_dirs() -> int:
+    """Remove run folders of controllers that are gone (their pid is in the folder's name); return how many."""
+    removed = 0
+    root = tempfile.gettempdir()
+    for entry in os.listdir(root):
+        if not entry.startswith(RUN_DIR_PREFIX):
+            continue
+        pid_text = entry[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_exists(int(pid_text)):
+            continue
+        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

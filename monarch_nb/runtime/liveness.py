@@ -73,6 +73,9 @@ class Liveness:
     def on_exit(self, rec: ProcRecord, header: dict) -> None:
         ctrl = self.ctrl
         ctrl.flush_output(rec)
+        if rec.state == ProcState.FAILED and rec.failure is not None and rec.failure.cause == "host_lost":
+            rec.exit_info = {**(rec.exit_info or {}), "returncode": header["returncode"], "signal": header.get("signal")}
+            return  # a proc of a lost host, fenced when its host came back: already failed
         rec.exit_info = {"returncode": header["returncode"], "signal": header.get("signal")}
         rec.busy = {}
         rec.paused = []
@@ -114,7 +117,10 @@ class Liveness:
         """Report procs silent past their allowance hung; fence them (SIGKILL) if configured."""
         ctrl = self.ctrl
         now = time.monotonic()
+        silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat > 2 * config.heartbeat_interval_s}
         for rec in list(ctrl.procs.values()):
+            if rec.host in silent_hosts:
+                continue  # its whole host is silent: a lost host (decided by the host check), not a hang
             if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):
                 rec.state = ProcState.HUNG
                 silent = now - rec.last_heartbeat
@@ -124,6 +130,23 @@ class Liveness:
                     rec.fenced = True
                     ctrl.signal_proc(rec.identity, "SIGKILL")
                     ctrl.record_event("proc_fenced", rec, detail="SIGKILL after hang", cause="fencing")
+
+    def host_lost(self, host: str, why: str) -> None:
+        """Every proc of ``host`` failed with cause ``host_lost`` (its agent is silent or gone)."""
+        ctrl = self.ctrl
+        for rec in list(ctrl.procs.values()):
+            if rec.host != host or rec.state in (ProcState.FAILED, ProcState.STOPPED):
+                continue
+            stopping = rec.state == ProcState.STOPPING
+            rec.state = ProcState.STOPPED if stopping else ProcState.FAILED
+            rec.exit_info = {"returncode": None, "signal": None, "host_lost": True}
+            rec.busy, rec.paused = {}, []
+            if stopping:
+                continue
+            detail = f"host {host} lost: {why}"
+            ctrl.record_event("proc_exited", rec, detail=detail, cause="host_lost")
+            self.fail_proc(rec, "host_lost", detail, None)
+            rec.ready.set()
 
     # -- failure and recovery -------------------------------------------------------------------
     def fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:

@@ -39,6 +39,7 @@ from ..actor.future import Future
 from ..actor.shape import Extent
 from ..errors import SupervisionError, UnknownEndpointError, capture_traceback
 from ..transport.channel import Channel
+from ..transport.keys import load_trust
 from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import Signer
 from . import import_grace
@@ -320,11 +321,15 @@ class Proc:
     def _controller_only(self, what: str) -> Any:
         raise RuntimeError(f"{what} from inside a worker is not supported; do it from the controller")
 
-    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None) -> str:
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None, *, spares: int = 0,
+                    preload: Sequence[str] = ()) -> str:
         return self._controller_only("spawning procs")
 
     def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
         self._controller_only("spawning actors")
+
+    def attach_hosts(self, workers: list[str], ca: str | None) -> list[str]:
+        return self._controller_only("attaching hosts")
 
     def stop_procs(self, mesh: str) -> None:
         self._controller_only("stopping procs")
@@ -347,7 +352,10 @@ class Proc:
     # -- main --------------------------------------------------------------------------------------
     def serve(self) -> None:
         """Connect, say hello and run the IO loop until stopped."""
-        self.channel.connect(self.env.controller)
+        trust = None
+        if self.env.curve_dir:
+            trust = load_trust(self.env.curve_dir).with_key(bytes.fromhex(self.env.key_hex))
+        self.channel.connect(self.env.controller, trust)
         self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
         self.channel.send(CONTROLLER, {"kind": Kind.HELLO, "pid": os.getpid()})
         self.channel.run_forever()

@@ -58,6 +58,10 @@ class Kind(str, Enum):
     SIGNAL = "signal"  # send a signal to a proc (SignalHeader)
     SHUTDOWN = "shutdown"  # kill every proc and exit
     KEEP_SPARES = "keep_spares"  # keep N warm spare procs for a mesh (JSON SparesSpec body; count 0 retires them)
+    CONTROLLER_HEARTBEAT = "ctrl_hb"  # the controller is alive (to remote host agents)
+    # controller <-> worker loop (a remote host waiting for a controller)
+    ATTACH = "attach"  # become my host (AttachHeader), signed with the cluster key
+    ATTACHED = "attached"  # the answer (AttachedHeader)
     # host agent -> controller
     AGENT_HELLO = "agent_hello"  # the agent is up (AgentHelloHeader)
     AGENT_HEARTBEAT = "agent_hb"  # the agent is alive; what the OS says of its procs (AgentHeartbeatHeader)
@@ -127,6 +131,29 @@ class SignalHeader(TypedDict):
 class AgentHelloHeader(TypedDict):
     pid: int
     host: str
+
+
+class AttachHeader(TypedDict):
+    controller: str  # the address the host agent and its procs connect to
+    run_id: str  # the controller's run (the same run may attach a host it lost again)
+    name: str  # the host's name in the tree
+    time: float  # wall clock when sent (stale attaches are refused)
+    nonce: str  # hex; never accepted twice
+    sealed_key: str  # the controller's session key, sealed with the cluster key (transport.keys.seal)
+    heartbeat_interval_s: float
+    controller_timeout_s: float  # the agent kills its procs when the controller is silent this long
+
+
+class AttachedHeader(TypedDict, total=False):
+    ok: bool
+    error: str
+    host: str
+    pid: int  # the host agent's
+    hostname: str
+    ip: str  # the host's address on the interface that reaches the controller
+    iface: str  # that interface's name
+    cores: int
+    gpus: dict  # {"vendor", "count"}
 
 
 class AgentHeartbeatHeader(TypedDict):
@@ -243,6 +270,7 @@ class ProcEnv:
         import_lock_dir: where the host's import slots live ("" for none): at most
             ``import_slots`` procs of a host import a heavy module (torch) at once.
         import_slots: how many heavy imports may run at once on the host.
+        curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
         extra: further variables, verbatim (per-rank device visibility, MASTER_ADDR, ...).
     """
 
@@ -261,6 +289,7 @@ class ProcEnv:
     agent_pid: int = 0
     import_lock_dir: str = ""
     import_slots: int = 0
+    curve_dir: str = ""
     extra: dict = field(default_factory=dict)
 
     def to_env(self) -> dict[str, str]:
@@ -286,6 +315,8 @@ class ProcEnv:
         if self.import_lock_dir:
             env[_PREFIX + "IMPORT_LOCK_DIR"] = self.import_lock_dir
             env[_PREFIX + "IMPORT_SLOTS"] = str(self.import_slots)
+        if self.curve_dir:
+            env[_PREFIX + "CURVE_DIR"] = self.curve_dir
         return env
 
     def to_json(self) -> dict:
@@ -318,6 +349,7 @@ class ProcEnv:
             agent_pid=int(_read(environ, "AGENT_PID", "0")),
             import_lock_dir=_read(environ, "IMPORT_LOCK_DIR", ""),
             import_slots=int(_read(environ, "IMPORT_SLOTS", "0")),
+            curve_dir=_read(environ, "CURVE_DIR", ""),
         )
 
 
@@ -332,6 +364,10 @@ class AgentEnv:
         run_id: the run's id for same-host shared-memory buffers ("" when none).
         orphan_check_s: how often the agent checks its parent, seconds.
         heartbeat_interval_s: seconds between the agent's heartbeats.
+        controller_timeout_s: a remote agent kills its procs and exits when the controller is
+            silent this long (0: no check; a local agent watches its parent pid instead).
+        curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
+        iface: the network interface that reaches the controller (procs' GLOO/NCCL_SOCKET_IFNAME).
     """
 
     controller: str
@@ -340,6 +376,9 @@ class AgentEnv:
     run_id: str = ""
     orphan_check_s: float = 0.1
     heartbeat_interval_s: float = 0.25
+    controller_timeout_s: float = 0.0
+    curve_dir: str = ""
+    iface: str = "lo"
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -349,6 +388,9 @@ class AgentEnv:
             _PREFIX + "RUN_ID": self.run_id,
             _PREFIX + "ORPHAN_CHECK_S": repr(float(self.orphan_check_s)),
             _PREFIX + "HEARTBEAT_INTERVAL_S": repr(float(self.heartbeat_interval_s)),
+            _PREFIX + "CONTROLLER_TIMEOUT_S": repr(float(self.controller_timeout_s)),
+            _PREFIX + "CURVE_DIR": self.curve_dir,
+            _PREFIX + "IFACE": self.iface,
         }
 
     @classmethod
@@ -365,4 +407,7 @@ class AgentEnv:
             run_id=_read(environ, "RUN_ID", ""),
             orphan_check_s=float(_read(environ, "ORPHAN_CHECK_S", repr(cls.orphan_check_s))),
             heartbeat_interval_s=float(_read(environ, "HEARTBEAT_INTERVAL_S", repr(cls.heartbeat_interval_s))),
+            controller_timeout_s=float(_read(environ, "CONTROLLER_TIMEOUT_S", "0")),
+            curve_dir=_read(environ, "CURVE_DIR", ""),
+            iface=_read(environ, "IFACE", "lo"),
         )

@@ -25,9 +25,9 @@ __all__ = ["loopback_store", "LazyStore"]
 log = logging.getLogger(__name__)
 
 
-def _listen() -> socket.socket:
+def _listen(host: str = "127.0.0.1") -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     sock.listen(128)
     return sock
 
@@ -35,8 +35,9 @@ def _listen() -> socket.socket:
 def _store_on(sock: socket.socket, world_size: int | None, timeout_s: float) -> Any:
     import torch.distributed as dist
 
+    host, port = sock.getsockname()[:2]
     store = dist.TCPStore(
-        "127.0.0.1", sock.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+        host, port, world_size, is_master=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
     )
     sock.detach()  # the store owns (and closes) the listening socket now
@@ -49,15 +50,17 @@ def loopback_store(world_size: int | None = None, timeout_s: float = 300.0) -> A
 
 
 class LazyStore:
-    """A port on 127.0.0.1 whose TCPStore server starts when the first client connects.
+    """A port on ``host`` (127.0.0.1, or the controller's address on a cluster's network) whose
+    TCPStore server starts when the first client connects.
 
     Call :meth:`start` from the listening socket's first readable event (the controller's IO
     loop watches :attr:`fd`); the server is built on a thread of its own (importing torch can
     take seconds), and the waiting client is served once it is up.
     """
 
-    def __init__(self, timeout_s: float = 1800.0):
-        self._sock: socket.socket | None = _listen()
+    def __init__(self, timeout_s: float = 1800.0, host: str = "127.0.0.1"):
+        self._sock: socket.socket | None = _listen(host)
+        self.host = host
         self.port: int = self._sock.getsockname()[1]
         self.fd: int = self._sock.fileno()
         self._timeout_s = timeout_s

@@ -31,6 +31,8 @@ EVENT_KINDS = {
     "proc_continued": "the proc's actors left breakpoint()",
     "proc_resumed": "a proc reported hung sent heartbeats again (fencing off): it is serving",
     "actor_error": "an endpoint raised; the proc is still alive",
+    "host_lost": "a host agent went silent (killed, cut off): every proc of the host failed with cause host_lost",
+    "host_returned": "a lost host serves again (attached again, or its old agent heard again and its procs fenced)",
     "fault_injected": "a fault was injected on purpose",
     "fault_fired": "an injected in-proc fault took effect (a call delayed by 'slow', a result poisoned by 'nan')",
     "supervised": "a failure was handled: by the owner's __supervise__, or by the restart / isolate policy",
@@ -52,6 +54,7 @@ class Event:
         cause: machine-readable cause: "SIGKILL", "SIGSEGV", "exit 3", "heartbeat" (a hang),
             "fenced", "exception" (an endpoint raised), a fault kind ("nan", "slow"), ...
         mesh: the proc mesh's name.
+        host: the host agent's name, for host events (``host_lost``, ``host_returned``).
         seq: position in the log (0-based), set by the log.
         monotonic: ``time.monotonic()`` at record time, for latency measurements.
     """
@@ -64,6 +67,7 @@ class Event:
     detail: str = ""
     cause: str = ""
     mesh: str = ""
+    host: str = ""
     seq: int = -1
     monotonic: float = field(default_factory=_time.monotonic)
 

@@ -164,6 +164,8 @@ class HostRecord:
         last_heartbeat: ``time.monotonic()`` of its last heartbeat (0 before the first).
         load: runnable procs per core on the host, from its last heartbeat.
         spares: proc mesh -> its warm spares here, ``[{"pid", "ready"}]``.
+        address: a remote host's worker address (``tcp://HOST:PORT``); "" for this machine.
+        detail: what an attached host said of itself (hostname, ip, iface, cores, gpus).
     """
 
     name: str
@@ -174,3 +176,5 @@ class HostRecord:
     last_heartbeat: float = 0.0
     load: float = 0.0
     spares: dict = field(default_factory=dict)
+    address: str = ""
+    detail: dict = field(default_factory=dict)

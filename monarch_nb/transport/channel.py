@@ -19,21 +19,65 @@ DEALER whose routing identity is their name. Identities may carry an incarnation
 from __future__ import annotations
 
 import collections
+import contextlib
+import hashlib
 import logging
 import os
 import select
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 
 from . import shm
+from .keys import Trust
 from .wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
 log = logging.getLogger(__name__)
+
+_authenticators: dict[int, tuple[Any, set]] = {}  # id(context) -> (ZAP handler, its domains)
+_auth_lock = threading.Lock()
+
+
+def _zap_domain(ctx: zmq.Context, trust: Trust) -> str:
+    """The ZAP domain of ``trust``'s cluster on ``ctx``: its handler admits only CurveZMQ clients
+    holding that cluster's key pair. One domain per cluster, so endpoints of different clusters
+    (two jobs with their own keys) each admit their own clients only."""
+    domain = "mnb-" + hashlib.sha256(trust.curve_public or b"").hexdigest()[:16]
+    with _auth_lock:
+        entry = _authenticators.get(id(ctx))
+        if entry is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            auth = ThreadAuthenticator(ctx, log=logging.getLogger("monarch_nb.zap"))
+            auth.start()
+            entry = _authenticators[id(ctx)] = (auth, set())
+        auth, domains = entry
+        if domain not in domains:
+            auth.configure_curve(domain=domain, location=trust.curve_dir)
+            domains.add(domain)
+    return domain
+
+
+@contextlib.contextmanager
+def curve_server(sock: zmq.Socket, trust: Trust | None) -> Iterator[None]:
+    """Within: endpoints bound on ``sock`` speak CurveZMQ as the server of ``trust``'s cluster
+    (ZeroMQ takes security options when an endpoint is bound); without ``trust``, plain."""
+    if trust is None or not trust.encrypted:
+        yield
+        return
+    domain = _zap_domain(sock.context, trust)
+    sock.curve_secretkey = trust.curve_secret
+    sock.curve_publickey = trust.curve_public
+    sock.curve_server = True
+    sock.zap_domain = domain.encode()
+    try:
+        yield
+    finally:  # later endpoints are plain again (the domain stays: libzmq takes no empty one, and
+        sock.curve_server = False  # its handler admits NULL-mechanism peers)
 
 MessageHandler = Callable[[dict, Any, list, list], None]
 
@@ -83,13 +127,25 @@ class Channel:
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
     # -- set-up ---------------------------------------------------------------------------------
-    def bind(self, address: str) -> str:
-        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://127.0.0.1:0``); return the real one."""
-        self._sock.bind(address)
-        self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        return self.address
+    def bind(self, address: str, trust: Trust | None = None) -> str:
+        """Bind (ROUTER) to ``address`` (``ipc://path`` or ``tcp://HOST:0``); return the real one.
 
-    def connect(self, address: str) -> None:
+        With an encrypting ``trust`` this endpoint speaks CurveZMQ as the server and admits only
+        clients holding the cluster's key pair; other endpoints of the socket are unaffected
+        (ZeroMQ takes security options when an endpoint is bound). Any thread.
+        """
+        with self._lock, curve_server(self._sock, trust):
+            self._sock.bind(address)
+            bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address = self.address or bound
+        return bound
+
+    def connect(self, address: str, trust: Trust | None = None) -> None:
+        """Connect (DEALER) to ``address``; with an encrypting ``trust``, as a CurveZMQ client."""
+        if trust is not None and trust.encrypted:
+            self._sock.curve_serverkey = trust.curve_public
+            self._sock.curve_publickey = trust.curve_public
+            self._sock.curve_secretkey = trust.curve_secret
         self._sock.connect(address)
         self.address = address
 

@@ -8,7 +8,7 @@ bottom up (docs/architecture.md draws them):
 - ``supervision``: records, events, policies, the tree (data)
 - ``actor``: the public actor API, over the ``actor.backend`` Protocol
 - ``runtime``: implements the backend (controller, host agent, proc core)
-- features: ``faults`` and ``debug``, then ``train``, then ``jupyter``
+- features: ``faults``, ``debug`` and ``job``, then ``train``, then ``jupyter``
 
 The package's ``__init__``, ``proc_main`` and ``cli`` are composition roots and entry points:
 they may import anything.
@@ -38,8 +38,9 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": CORE - {"_lazy", "argtypes"},
     "faults": CORE | {"runtime"},
     "debug": CORE | {"runtime"},
-    "train": CORE | {"runtime", "faults"},
-    "jupyter": CORE | {"runtime", "faults", "debug", "train"},
+    "job": CORE | {"runtime"},
+    "train": CORE | {"runtime", "faults", "job"},
+    "jupyter": CORE | {"runtime", "faults", "debug", "train", "job"},
 }
 ROOTS = {"__init__", "proc_main", "cli", "__main__"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_nb.jupyter.cells import RankSpecError, format_ranks, parse_ranks
+from monarch_nb.jupyter.ranks import RankSpecError, format_ranks, parse_ranks
 
 
 def test_parse_ranks_forms():

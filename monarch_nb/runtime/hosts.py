@@ -1,0 +1,282 @@
+"""The controller's hosts: the local host agent it starts, remote hosts it attaches, and their liveness.
+
+- This machine: a host agent process the controller starts (``host0``; it dies with the
+  controller: parent-pid check).
+- Other machines: each runs a worker loop (:mod:`monarch_nb.runtime.worker_loop`). :meth:`Hosts.attach`
+  binds the controller's socket on the interface that reaches the worker (CurveZMQ when the
+  cluster has a key folder), sends a signed ``attach`` carrying the controller's session key
+  sealed with the cluster key, and waits for the worker's host agent to say hello.
+
+Liveness: every host agent heartbeats; the controller heartbeats to remote agents. A host silent
+for ``hang_timeout_s`` is *lost*: its procs fail with cause ``host_lost`` (calls to them raise
+``SupervisionError``). Its agent, silent controller or not, kills its procs after
+``controller_timeout_s`` (twice the hang timeout), so a cut-off rank stops; the controller tries
+to attach the host again every second, and a host whose old agent comes back instead is told to
+kill the procs it still runs before it serves again. Either way no proc of a lost host ever
+serves the controller again: restarts start fresh ones (no split brain).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from ..config import config
+from ..errors import MonarchError
+from ..supervision.records import HostRecord, ProcState
+from ..transport.keys import Trust, load_trust, seal
+from ..transport.wire import BadMessage, Signer, decode, encode, route_id
+from .launch import LocalAgent
+from .protocol import CONTROLLER, AgentEnv, Kind
+from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+__all__ = ["Hosts", "AttachError", "LOCAL"]
+
+log = logging.getLogger(__name__)
+
+#: The local host agent's name.
+LOCAL = "host0"
+_LOCAL_NAMES = ("localhost", "127.0.0.1", LOCAL)
+
+
+class AttachError(MonarchError, ConnectionError):
+    """A worker could not be attached (unreachable, refused, wrong key)."""
+
+
+def controller_timeout_s() -> float:
+    """How long a remote agent waits for a silent controller before killing its procs (seconds)."""
+    return max(2 * config.hang_timeout_s, 3.0)
+
+
+class Hosts:
+    """The hosts of ``controller``: records in ``controller.hosts``, agents, endpoints, liveness."""
+
+    def __init__(self, controller: "Controller"):
+        self.ctrl = controller
+        self.records = controller.hosts
+        self._local: LocalAgent | None = None
+        self._endpoints: dict[tuple[str, bytes | None], str] = {}  # (controller IP, cluster key) -> tcp endpoint
+        self._links: dict[str, dict] = {}  # remote host name -> {"address", "trust", "info", "endpoint"}
+        self._reattaching: set[str] = set()
+        self._lock = threading.RLock()
+        self._next = 1
+
+    # -- this machine ----------------------------------------------------------------------------
+    def resolve(self, host: str) -> HostRecord:
+        """The record of ``host`` (a name given by :meth:`attach`, or "localhost"), started or
+        attached and serving.
+
+        Raises:
+            ValueError: an unknown host.
+            AttachError: the host is lost (its procs cannot be started until it is back).
+        """
+        if host in _LOCAL_NAMES:
+            return self._local_agent()
+        record = self.records.get(host)
+        if record is None:
+            known = sorted(self.records) or ["none"]
+            raise ValueError(f"unknown host {host!r}; hosts: {', '.join(known)} (attach more with attach_to_workers)")
+        if record.state != ProcState.HEALTHY:
+            raise AttachError(f"host {host} is {record.state} (lost); it is being attached again, retry in a few seconds")
+        return record
+
+    def _local_agent(self) -> HostRecord:
+        ctrl = self.ctrl
+        with self._lock:
+            record = self.records.get(LOCAL)
+            if record is None or self._local is None or not self._local.alive():
+                env = AgentEnv(ctrl.address, ctrl.signer.key.hex(), os.getpid(), ctrl.channel.shm_run_id or "",
+                               config.orphan_check_s, config.heartbeat_interval_s)
+                self._local = LocalAgent(LOCAL, env)
+                record = self.records[LOCAL] = HostRecord(LOCAL, pid=self._local.pid)
+        if not record.ready.wait(config.start_timeout_s):
+            raise RuntimeError(f"host agent {LOCAL} did not connect within {config.start_timeout_s} s")
+        return record
+
+    def is_local(self, host: str) -> bool:
+        return host in _LOCAL_NAMES
+
+    def placement(self, host: str) -> dict:
+        """Where procs of ``host`` connect and what they inherit: ``{"controller", "base_env",
+        "run_id", "master_ip"}`` (the controller's address and IP as that host sees them)."""
+        if self.is_local(host):
+            return {"controller": self.ctrl.address, "base_env": True, "run_id": self.ctrl.channel.shm_run_id or "",
+                    "master_ip": "127.0.0.1"}
+        link = self._links[host]
+        return {"controller": link["endpoint"], "base_env": False, "run_id": "", "master_ip": link["controller_ip"]}
+
+    # -- other machines ----------------------------------------------------------------------------
+    def attach(self, workers: list[str], ca: str | None) -> list[str]:
+        """Attach the worker loops at ``workers`` (``tcp://HOST:PORT`` each); return their host names.
+
+        Raises:
+            AttachError: a worker is unreachable within ``start_timeout_s``, refused, or its key differs.
+            ValueError: a malformed address, or a non-loopback worker without ``ca``.
+        """
+        trust = load_trust(ca) if ca is not None else None
+        names = []
+        for address in workers:
+            if trust is None and not is_loopback(address):
+                raise ValueError(f"worker {address} is not on this machine: pass ca= (the cluster's key file or folder)")
+            with self._lock:
+                known = next((n for n, link in self._links.items() if link["address"] == address), None)
+                name = known or f"host{self._next}"
+                if known is None:
+                    self._next += 1
+            self._attach_one(name, address, trust or Trust(LOOPBACK_KEY, source="loopback"))
+            names.append(name)
+        return names
+
+    def _endpoint_for(self, ip: str, trust: Trust) -> str:
+        key = (ip, trust.curve_public)  # one endpoint per cluster: its CurveZMQ keys (or plain)
+        with self._lock:
+            endpoint = self._endpoints.get(key)
+            if endpoint is None:
+                endpoint = self._endpoints[key] = self.ctrl.channel.bind(f"tcp://{ip}:0", trust if trust.encrypted else None)
+            return endpoint
+
+    def _attach_one(self, name: str, address: str, trust: Trust, timeout_s: float | None = None) -> HostRecord:
+        ctrl = self.ctrl
+        timeout_s = config.start_timeout_s if timeout_s is None else timeout_s
+        worker_ip = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        controller_ip = "127.0.0.1" if is_loopback(address) else interface_for(worker_ip)[0]
+        endpoint = self._endpoint_for(controller_ip, trust)
+        nonce, sealed = seal(trust.hmac_key, ctrl.signer.key)
+        header = {"kind": Kind.ATTACH, "src": CONTROLLER, "dst": name, "seq": 1, "controller": endpoint,
+                  "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
+                  "heartbeat_interval_s": config.heartbeat_interval_s, "controller_timeout_s": controller_timeout_s()}
+        with self._lock:
+            record = self.records.get(name)
+            if record is None or record.state != ProcState.STARTING:
+                record = self.records[name] = HostRecord(name, address=address)
+            record.ready.clear()
+        reply = _request(address, trust, encode(Signer(trust.hmac_key), header), timeout_s)
+        if not reply.get("ok"):
+            raise AttachError(f"worker {address} refused to attach: {reply.get('error')}")
+        with self._lock:
+            self._links[name] = {"address": address, "trust": trust, "info": reply, "endpoint": endpoint,
+                                 "controller_ip": controller_ip}
+            record.pid = int(reply.get("pid", 0))
+            record.detail = {k: reply.get(k) for k in ("hostname", "ip", "iface", "cores", "gpus")}
+        if not record.ready.wait(timeout_s):
+            raise AttachError(f"the host agent of {address} did not connect back to {endpoint} within {timeout_s} s "
+                              "(can the host reach this address? a firewall?)")
+        return record
+
+    # -- messages (IO thread) --------------------------------------------------------------------------
+    def on_hello(self, header: dict) -> None:
+        record = self.records.get(route_id(header["src"]))
+        if record is not None:
+            record.pid = header["pid"]
+            record.state = ProcState.HEALTHY
+            record.last_heartbeat = time.monotonic()
+            record.ready.set()
+
+    def on_heartbeat(self, header: dict) -> HostRecord | None:
+        record = self.records.get(route_id(header["src"]))
+        if record is None:
+            return None
+        record.last_heartbeat = time.monotonic()
+        record.load = float(header.get("load", 0.0))
+        if record.state == ProcState.FAILED and record.name in self._links:
+            self._fence_returned(record)
+        return record
+
+    # -- liveness (IO thread) --------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        for name, link in list(self._links.items()):
+            record = self.records.get(name)
+            if record is None:
+                continue
+            if record.state == ProcState.HEALTHY:
+                self.ctrl.channel.send(name, {"kind": Kind.CONTROLLER_HEARTBEAT})
+                if now - record.last_heartbeat > config.hang_timeout_s:
+                    self._lose(record, f"no heartbeat for {now - record.last_heartbeat:.2f} s")
+        record = self.records.get(LOCAL)
+        if record is not None and record.state == ProcState.HEALTHY and self._local is not None and not self._local.alive():
+            if self.ctrl.closed:
+                record.state = ProcState.STOPPED
+            else:
+                self._lose(record, f"the host agent exited ({self._local.popen.returncode})")
+
+    def _lose(self, record: HostRecord, why: str) -> None:
+        record.state = ProcState.FAILED
+        self.ctrl.record_host_event("host_lost", record, detail=why, cause="host_lost")
+        self.ctrl.liveness.host_lost(record.name, why)
+        if record.name in self._links and record.name not in self._reattaching:
+            self._reattaching.add(record.name)
+            threading.Thread(target=self._reattach, args=(record.name,), name=f"monarch_nb-reattach-{record.name}",
+                             daemon=True).start()
+
+    def _fence_returned(self, record: HostRecord) -> None:
+        """A lost host's old agent is heard again: kill what it still runs, then it serves."""
+        for rec in list(self.ctrl.procs.values()):
+            if rec.host == record.name:
+                self.ctrl.channel.send(record.name, {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": "SIGKILL"})
+        record.state = ProcState.HEALTHY
+        self._reattaching.discard(record.name)
+        self.ctrl.record_host_event("host_returned", record, detail="heartbeats resumed; its procs were fenced", cause="link")
+
+    def _reattach(self, name: str) -> None:
+        try:
+            while not self.ctrl.closed and name in self._reattaching:
+                record = self.records.get(name)
+                if record is None or record.state == ProcState.HEALTHY:
+                    return
+                link = self._links[name]
+                try:
+                    self._attach_one(name, link["address"], link["trust"], timeout_s=max(2.0, config.hang_timeout_s))
+                except (AttachError, OSError, RuntimeError) as exc:
+                    log.debug("attaching %s again failed: %s", name, exc)
+                    time.sleep(1.0)
+                    continue
+                self.ctrl.record_host_event("host_returned", record, detail="attached again; its procs start fresh",
+                                            cause="attach")
+                return
+        finally:
+            self._reattaching.discard(name)
+
+    # -- shutdown --------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Tell every agent to stop; wait for the local one."""
+        self._reattaching.clear()
+        for name in list(self.records):
+            self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
+        if self._local is not None:
+            self._local.wait(3.0)
+        for record in self.records.values():
+            record.state = ProcState.STOPPED
+
+
+def _request(address: str, trust: Trust, frames: list, timeout_s: float) -> dict:
+    """Send one signed request to a worker loop and return the reply's header."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if trust.encrypted:
+            sock.curve_serverkey = trust.curve_public
+            sock.curve_publickey = trust.curve_public
+            sock.curve_secretkey = trust.curve_secret
+        sock.connect(address)
+        sock.send_multipart(frames)
+        if not sock.poll(int(timeout_s * 1000)):
+            raise AttachError(f"worker {address} did not answer within {timeout_s} s (is `monarch-nb worker` running "
+                              "there, with the same keys?)")
+        try:
+            header, _body, _buffers = decode(Signer(trust.hmac_key), sock.recv_multipart())
+        except BadMessage as exc:
+            raise AttachError(f"worker {address} answered with a bad message ({exc}): another cluster key?") from None
+        return header
+    finally:
+        sock.close(0)
+
