@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-__all__ = ["FailureRecord", "TrainReport", "GOODPUT_MEANS"]
+__all__ = ["FailureRecord", "TrainReport", "GOODPUT_MEANS", "build_report"]
 
 #: what the goodput figure means, said wherever it is shown
 GOODPUT_MEANS = "share of the training wall time spent in steps that were kept (not lost to failures, redone or waiting)"
@@ -198,3 +200,76 @@ class TrainReport:
         else:
             lines.append("  failures            none")
         return "\n".join(lines)
+
+
+def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> TrainReport:
+    """The report of the run that coordinator ``c`` ran (its ledger audited against the pure order).
+
+    Args:
+        digests: the live replicas' parameter checksums. applied: their applied-update counts.
+        ev: the final evaluation (``test_accuracy``, ``test_loss``). mem: ``{rank: memory()}``.
+    """
+    o, run = c.o, c.run
+    audit = run.ledger.audit(run.order, c.next_commit, start=c.start_step)
+    wall = max(1e-9, c.t_last_commit - c.t_train0)
+    committed = c.next_commit - c.start_step
+    # an update missing from the parameters is lost; one applied twice too, but a stopped run's
+    # ranks may hold updates of a window whose replies the stop did not wait for
+    off = [c.next_commit - a if a < c.next_commit else (0 if run.stopping else a - c.next_commit)
+           for a in applied]
+    steps_lost = max(off, default=0)
+    ordered = sorted(c.step_ms)
+    snaps = c.snapshots
+    snapshot_info: dict = {"count": len(snaps)}
+    if snaps:
+        pause = statistics.median(s["pause_ms"] for s in snaps)
+        cpu = statistics.median(s["cpu_ms"] for s in snaps)
+        steps_between = [b["step"] - a["step"] for a, b in zip(snaps, snaps[1:]) if b["step"] > a["step"]]
+        interval = statistics.median(steps_between) if steps_between else float(max(1, c.next_commit))
+        step_med = ordered[len(ordered) // 2] if ordered else 0.0
+        snapshot_info.update(bytes=snaps[-1]["nbytes"], pause_ms_median=pause, cpu_ms_median=cpu,
+                             interval_steps=interval,
+                             cost_pct_of_step_time=round(100 * (pause + cpu) / max(1e-9, interval * step_med), 4)
+                             if step_med else 0.0)
+    last_loss = next((mm["loss"] for mm in reversed(run.metrics) if mm.get("loss") is not None), None)
+    report = TrainReport(
+        final_loss=last_loss,
+        test_accuracy=ev.get("test_accuracy"),
+        test_loss=ev.get("test_loss"),
+        steps=len(run.ledger),
+        procs=o.procs,
+        workload=o.workload.name,
+        backend=o.backend or _default_backend(),
+        global_batch=o.global_batch,
+        failures=[r.to_dict() for r in c.m.failures],
+        steps_lost=int(steps_lost + audit["steps_missing"]),
+        steps_redone=c.attempts_failed,
+        steps_redone_from_snapshot=c.redone_from_snapshot,
+        samples_lost=audit["samples_lost"],
+        samples_repeated=audit["samples_repeated"],
+        goodput=round(min(1.0, c.productive_s / wall), 4) if committed else 0.0,
+        wall_time_s=round(wall, 3),
+        setup_time_s=round(c.setup_s, 3),
+        throughput_samples_per_s=round(committed * o.global_batch / wall, 1),
+        quorums=c.m.quorum,
+        replicas_identical=len(digests) == 1 if digests else None,
+        params_checksum=next(iter(digests)) if len(digests) == 1 else "",
+        step_time_ms_median=round(ordered[len(ordered) // 2], 3) if ordered else 0.0,
+        stopped_early=c.next_commit < o.steps,
+        worker_peak_rss_bytes=[mem[r]["peak_rss_bytes"] for r in sorted(mem)],
+        spares=c.spares,
+        window_steps_median=float(statistics.median(n for _, n, _ in c.history)) if c.history else 0.0,
+        snapshots=snapshot_info,
+        restores=list(c.restores),
+        ledger=run.ledger.to_dict(),
+    )
+    return report
+
+
+def _default_backend() -> str:
+    try:
+        from .. import device
+
+        return device.backend()
+    except Exception:
+        return "gloo"

@@ -30,7 +30,8 @@ A peer failure inside the collective ends the window with status ``"collective_f
 trainer is fine and waits for a new quorum); a later window of the old quorum is skipped. Any
 other error is the trainer's own failure and raises.
 
-Healing and snapshots stream the committed state (see :mod:`.trainer_state`).
+Healing, snapshots and checkpoints move the state as one stream (:mod:`.trainer_state`,
+:mod:`.trainer_stream`, :mod:`.trainer_snapshot`).
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ import random
 import signal
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
 from ..faults.worker import take_nan
 from .data import SampleOrder, digest, shard_bounds
-from .trainer_state import (Incoming, SnapshotWriter, bytes_view, capture, manifest, read_snapshot,
-                            stream_slice)
+from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
+from .trainer_snapshot import SnapshotWriter
+from .trainer_state import StateEndpoints
+from .trainer_stream import Incoming
 from .workloads import Workload
 
 __all__ = ["Trainer", "CollectiveError", "QuorumAborted"]
@@ -58,14 +60,6 @@ log = logging.getLogger(__name__)
 
 #: reduced statistics at the end of the flat buffer: loss sum, samples, correct, non-finite count
 _STATS = 4
-
-
-class CollectiveError(RuntimeError):
-    """The all-reduce of a step failed because a peer failed (connection reset, fenced, timeout)."""
-
-
-class QuorumAborted(RuntimeError):
-    """The controller abandoned the quorum this trainer was joining (a peer failed meanwhile)."""
 
 
 def _grad_health(grads: list) -> tuple[float, int]:
@@ -90,52 +84,10 @@ def _params_checksum(state: dict) -> str:
     return h.hexdigest()
 
 
-def _abortable_store(real, base, abort_key: str, timeout_s: float):
-    """A c10d Store over ``real`` whose blocking reads give up as soon as ``abort_key`` appears in
-    ``base``: a process group being formed with a peer that died after the barrier fails at once
-    (the controller sets the key) instead of waiting for the rendezvous timeout."""
-    import torch.distributed as dist
-
-    class AbortableStore(dist.Store):
-        def _wait_for(self, keys: list) -> None:
-            deadline = time.monotonic() + timeout_s
-            while not real.check(keys):
-                if base.check([abort_key]):
-                    raise QuorumAborted("the quorum was aborted by the controller while its process group formed")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"keys {keys} did not appear within {timeout_s} s")
-                time.sleep(0.002)
-
-        def set(self, key, value):
-            real.set(key, value)
-
-        def get(self, key):
-            self._wait_for([key])
-            return real.get(key)
-
-        def add(self, key, value):
-            return real.add(key, value)
-
-        def check(self, keys):
-            return real.check(keys)
-
-        def wait(self, keys, timeout=None):
-            self._wait_for(list(keys))
-
-        def compare_set(self, key, expected, desired):
-            return real.compare_set(key, expected, desired)
-
-        def delete_key(self, key):
-            return real.delete_key(key)
-
-        def num_keys(self):
-            return real.num_keys()
-
-    return AbortableStore()
-
-
-class Trainer(Actor):
+class Trainer(QuorumEndpoints, StateEndpoints, Actor):
     """One data-parallel replica. Built light on every proc; :meth:`setup` makes it a replica.
+    Joining quorums is :class:`~.trainer_quorum.QuorumEndpoints`; its heal, snapshot and checkpoint
+    endpoints are :class:`~.trainer_state.StateEndpoints`.
 
     Args:
         workload: what to train (pickled from the controller).
@@ -237,70 +189,6 @@ class Trainer(Actor):
             offset += p.numel()
         return views
 
-    # -- quorums --------------------------------------------------------------------------------
-    def _store_client(self):
-        import torch.distributed as dist
-
-        if self._store is None:
-            self._store = dist.TCPStore(
-                self.store_host, self.store_port, is_master=False, timeout=timedelta(seconds=self.collective_timeout_s)
-            )
-        return self._store
-
-    @endpoint
-    def init_quorum(self, quorum: int, ranks: list[int]) -> dict:
-        """Join quorum ``quorum`` of ``ranks`` (proc ranks; this one among them).
-
-        Builds a new process group under the store prefix ``quorum<quorum>/`` after a barrier; the
-        controller can abort both (key ``quorum<quorum>/abort``), so a peer that fails meanwhile
-        never holds the others for the rendezvous timeout. Returns ``{"rank", "quorum",
-        "init_ms", "next_step"}``.
-
-        Raises:
-            QuorumAborted: the controller aborted the quorum.
-            TimeoutError: the others did not arrive within ``collective_timeout_s``.
-        """
-        import torch.distributed as dist
-
-        t0 = time.monotonic()
-        ranks = sorted(ranks)
-        self._leave_group()
-        self._broken = True
-        store = self._store_client()
-        prefix = f"quorum{quorum}/"
-        store.add(prefix + "joined", 1)
-        deadline = t0 + self.collective_timeout_s
-        while int(store.add(prefix + "joined", 0)) < len(ranks):
-            if store.check([prefix + "abort"]):
-                raise QuorumAborted(f"quorum {quorum} was aborted by the controller")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"quorum {quorum}: peers {ranks} did not all arrive within {self.collective_timeout_s} s")
-            time.sleep(0.002)
-        if len(ranks) > 1:
-            dist.init_process_group(
-                self.backend,
-                store=_abortable_store(dist.PrefixStore(prefix + "pg/", store), store, prefix + "abort",
-                                       self.collective_timeout_s),
-                rank=ranks.index(self.rank),
-                world_size=len(ranks),
-                timeout=timedelta(seconds=self.collective_timeout_s),
-            )
-            self._pg_ready = True
-        self._quorum, self._ranks = quorum, ranks
-        self._pos, self._world = ranks.index(self.rank), len(ranks)
-        self._broken = False
-        return {"rank": self.rank, "quorum": quorum, "init_ms": (time.monotonic() - t0) * 1e3, "next_step": self.next_step}
-
-    def _leave_group(self) -> None:
-        import torch.distributed as dist
-
-        if self._pg_ready:
-            self._pg_ready = False
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a group broken by a peer's death: drop it anyway
-                log.debug("destroy_process_group failed", exc_info=True)
-
     # -- windows of steps -----------------------------------------------------------------------
     @endpoint
     def run_window(self, quorum: int, start: int, count: int, split: list | None = None,
@@ -368,8 +256,6 @@ class Trainer(Actor):
         Raises:
             CollectiveError: a peer failed during the all-reduce.
         """
-        import torch
-
         which = step & 1
         buf, grads, tail = self._bufs[which], self._grads[which], self._tails[which]
         batch = self.order.batch(step)
@@ -532,132 +418,6 @@ class Trainer(Actor):
             return {"test_loss": None, "test_accuracy": None, "test_samples": 0, "next_step": self.next_step}
         acc = correct / n if self.workload.classification else None
         return {"test_loss": loss / n, "test_accuracy": acc, "test_samples": int(n), "next_step": self.next_step}
-
-    # -- healing: donor side --------------------------------------------------------------------
-    @endpoint
-    def state_manifest(self) -> dict:
-        """Describe this rank's state for a joiner (see :func:`~.trainer_state.manifest`); pins it
-        until :meth:`state_done`."""
-        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
-        self._outgoing = [bytes_view(t) for t in tensors]
-        return manifest(self._outgoing, skeleton, meta, self.chunk_bytes)
-
-    @endpoint
-    def state_chunk(self, index: int) -> list:
-        """Bytes ``[index*chunk_bytes, (index+1)*chunk_bytes)`` of the state stream, as uint8 array views."""
-        return stream_slice(self._outgoing, index * self.chunk_bytes, (index + 1) * self.chunk_bytes)
-
-    @endpoint
-    def state_done(self) -> None:
-        self._outgoing = []
-
-    # -- healing: joiner side -------------------------------------------------------------------
-    @endpoint
-    def load_begin(self, manifest: dict) -> None:
-        """Prepare to receive a donor's state: its model tensors land in this model's own tensors."""
-        self._leave_group()
-        self._broken = True
-        self._incoming = Incoming(manifest, self.model, self.device)
-
-    @endpoint
-    def load_chunk(self, index: int, pieces: list) -> int:
-        """Write chunk ``index`` (uint8 arrays, in stream order); returns bytes received so far."""
-        if self._incoming is None:
-            raise RuntimeError("load_chunk before load_begin")
-        return self._incoming.write(index * self._incoming.manifest["chunk_bytes"], pieces)
-
-    @endpoint
-    def load_end(self) -> dict:
-        """Verify the stream's SHA-256 and load it; returns ``{"rank", "applied_steps", "next_step", "sha256"}``.
-
-        Raises:
-            ValueError: the checksum or the size does not match the donor's manifest.
-        """
-        inc, self._incoming = self._incoming, None
-        if inc is None:
-            raise RuntimeError("load_end before load_begin")
-        meta = inc.finish(self.model, self.optimizer)
-        return self._loaded(meta, inc.manifest["sha256"])
-
-    def _loaded(self, meta: dict, sha256: str) -> dict:
-        self.applied_steps, self.next_step = meta["applied_steps"], meta["next_step"]
-        self._reduced_step = [-1, -1]
-        return {"rank": self.rank, "applied_steps": self.applied_steps, "next_step": self.next_step, "sha256": sha256}
-
-    # -- snapshots (outside the trainers, in shared memory) -------------------------------------
-    def _snapshot_writer(self, snapshot: dict | None) -> SnapshotWriter | None:
-        if snapshot is None:
-            return None
-        w = self._writer
-        if w is None or w.path != snapshot["path"]:
-            w = self._writer = SnapshotWriter(snapshot["path"], snapshot.get("every", 0), snapshot.get("budget", 0.005))
-        return w
-
-    def _snapshot(self, writer: SnapshotWriter) -> None:
-        t0 = time.perf_counter()
-        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
-        try:
-            writer.capture(tensors, skeleton, meta, self._step_ms_avg, t_begin=t0)
-        except OSError as exc:  # /dev/shm full or gone: training goes on without this snapshot
-            log.warning("rank %d: snapshot of step %d not written: %s", self.rank, self.next_step, exc)
-
-    @endpoint
-    def restore_snapshot(self, path: str) -> dict:
-        """Load the snapshot published at ``path`` (checked); returns ``{"rank", "applied_steps",
-        "next_step", "sha256", "restore_ms"}``.
-
-        Raises:
-            FileNotFoundError: there is none.
-            ValueError: it is incomplete or fails its SHA-256.
-        """
-        t0 = time.monotonic()
-        man, payload = read_snapshot(path)
-        self._leave_group()
-        self._broken = True
-        inc = Incoming(man, self.model, self.device)
-        inc.write(0, [payload])
-        meta = inc.finish(self.model, self.optimizer)
-        return dict(self._loaded(meta, man["sha256"]), restore_ms=(time.monotonic() - t0) * 1e3)
-
-    # -- disk checkpoints (full-job restarts only) ----------------------------------------------
-    @endpoint
-    def save_checkpoint(self, path: str, next_step: int | None = None) -> dict:
-        """``torch.save`` model, optimizer and counters to ``path`` (atomically); returns
-        ``{"path" (None if not saved), "next_step"}``. With ``next_step``, saves only if this rank
-        is at that step (a checkpoint queued behind a window that stopped early is skipped)."""
-        import torch
-
-        if next_step is not None and next_step != self.next_step:
-            return {"path": None, "next_step": self.next_step}
-
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "applied_steps": self.applied_steps, "next_step": self.next_step}, tmp)
-        os.replace(tmp, path)
-        return {"path": path, "next_step": self.next_step}
-
-    @endpoint
-    def load_checkpoint(self, path: str) -> int:
-        """Load a :meth:`save_checkpoint` file; returns its next step."""
-        import torch
-
-        state = torch.load(path, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.applied_steps, self.next_step = state["applied_steps"], state["next_step"]
-        self._reduced_step = [-1, -1]
-        return self.next_step
-
-    @endpoint
-    def memory(self) -> dict:
-        """``{"rss_bytes", "peak_rss_bytes", "state_bytes"}`` of this proc."""
-        import resource
-
-        tensors, _, _ = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"rss_bytes": rss, "peak_rss_bytes": peak, "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
     def __cleanup__(self, exc: Any) -> None:
         if not self._ready:

@@ -1,413 +1,161 @@
-"""A trainer's full state as one byte stream: healing a joiner live, and snapshots in shared memory. Runs in procs.
+"""The Trainer's endpoints that move its state: heals, snapshots, disk checkpoints. Runs in procs.
 
-The state of a replica is its model's state dict, its optimizer's state dict, its counters
-(updates applied, next step = data position) and its RNG states. :func:`capture` lays it out as
-a *skeleton* (the two state dicts with each tensor replaced by a :class:`TensorSlot`) plus the
-list of tensors; the stream is the tensors' bytes, in order. A :func:`manifest` describes a stream
-(skeleton, counters, size, SHA-256); :class:`Incoming` rebuilds a state from one, writing the
-bytes straight into the receiver's own tensors and checking the SHA-256 before anything is
-loaded.
-
-Two uses:
+:class:`StateEndpoints` (a part of :class:`~monarch_nb.train.trainer.Trainer`) moves the state
+stream of :mod:`.trainer_stream` three ways:
 
 - **heal**: a donor sends its stream in chunks (views of its live tensors, no copy on CPU) through
-  the controller to a restarted rank (see :class:`~monarch_nb.train.trainer.Trainer`).
-- **snapshots** (:class:`SnapshotWriter`, :func:`read_snapshot`): every few steps one trainer per
-  host copies its stream into a file in ``/dev/shm`` — outside every trainer process, so it
-  survives all of them — and a background thread hashes it and publishes it, while training
-  goes on. When every replica is lost, restarted trainers load the newest snapshot.
-
-A snapshot file is ``MAGIC | payload bytes | header length | header bytes`` behind a fixed
-64-byte prefix, where the header (pickled) holds the skeleton, the counters and the payload's
-SHA-256. It is written to a temporary name and renamed over the published name only when
-complete (the MAGIC is written last), so a writer SIGKILLed at any moment leaves the previous
-snapshot in place and never a partial file under the published name; a reader checks the MAGIC,
-the sizes and the SHA-256 anyway. File names follow the runtime's shared-memory pattern
-(``monarch_nb-<run id>-<pid>-<n>``, see :mod:`monarch_nb.transport.shm`), so the controller's and
-the host agent's clean-up remove them.
+  the controller to a restarted rank, which checks the SHA-256 before loading it;
+- **snapshots**: every few steps one trainer per host publishes its stream to shared memory,
+  outside every trainer (:mod:`.trainer_snapshot`), and restarted trainers load the newest when
+  every replica was lost;
+- **disk checkpoints** for whole-job restarts.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import mmap
 import os
-import pickle
-import random
-import struct
-import threading
 import time
-from typing import Any
 
-__all__ = ["TensorSlot", "capture", "manifest", "Incoming", "stream_slice", "bytes_view", "SnapshotWriter",
-           "read_snapshot", "snapshot_tmp_path"]
+from ..actor.endpoint import endpoint
+from .trainer_snapshot import SnapshotWriter, read_snapshot
+from .trainer_stream import Incoming, bytes_view, capture, manifest, stream_slice
+
+__all__ = ["StateEndpoints"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MNBSNAP1"
-_PREFIX = struct.Struct("<8sQQ")  # magic, payload bytes, header bytes
-_PREFIX_BYTES = 64
 
+class StateEndpoints:
+    """The Trainer's endpoints that move its state: heal (donor and joiner), snapshots, disk
+    checkpoints, memory. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which provides
+    ``model``, ``optimizer``, ``device``, ``rank``, ``chunk_bytes``, ``applied_steps``,
+    ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg`` and ``_leave_group()``."""
 
-class TensorSlot:
-    """Stands for tensor ``index`` of the state stream in a skeleton."""
+    _writer: SnapshotWriter | None = None
+    _incoming: Incoming | None = None
+    _outgoing: list = []
 
-    __slots__ = ("index", "shape", "dtype")
+    # -- healing: donor side --------------------------------------------------------------------
+    @endpoint
+    def state_manifest(self) -> dict:
+        """Describe this rank's state for a joiner (see :func:`manifest`); pins it until :meth:`state_done`."""
+        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
+        self._outgoing = [bytes_view(t) for t in tensors]
+        return manifest(self._outgoing, skeleton, meta, self.chunk_bytes)
 
-    def __init__(self, index: int, shape: tuple, dtype: str):
-        self.index, self.shape, self.dtype = index, shape, dtype
+    @endpoint
+    def state_chunk(self, index: int) -> list:
+        """Bytes ``[index*chunk_bytes, (index+1)*chunk_bytes)`` of the state stream, as uint8 array views."""
+        return stream_slice(self._outgoing, index * self.chunk_bytes, (index + 1) * self.chunk_bytes)
 
-    def __reduce__(self):
-        return TensorSlot, (self.index, self.shape, self.dtype)
+    @endpoint
+    def state_done(self) -> None:
+        self._outgoing = []
 
+    # -- healing: joiner side -------------------------------------------------------------------
+    @endpoint
+    def load_begin(self, manifest: dict) -> None:
+        """Prepare to receive a donor's state: its model tensors land in this model's own tensors."""
+        self._leave_group()
+        self._broken = True
+        self._incoming = Incoming(manifest, self.model, self.device)
 
-# -- the state as a stream ------------------------------------------------------------------------
-def capture(model, optimizer, applied_steps: int, next_step: int, rank: int) -> tuple[list, dict, dict]:
-    """``(tensors, skeleton, meta)`` of a replica's state: the live tensors (not copies), the state
-    dicts with tensors replaced by :class:`TensorSlot`, and the counters and RNG states."""
-    import numpy as np
-    import torch
+    @endpoint
+    def load_chunk(self, index: int, pieces: list) -> int:
+        """Write chunk ``index`` (uint8 arrays, in stream order); returns bytes received so far."""
+        if self._incoming is None:
+            raise RuntimeError("load_chunk before load_begin")
+        return self._incoming.write(index * self._incoming.manifest["chunk_bytes"], pieces)
 
-    tensors: list = []
+    @endpoint
+    def load_end(self) -> dict:
+        """Verify the stream's SHA-256 and load it; returns ``{"rank", "applied_steps", "next_step", "sha256"}``.
 
-    def strip(obj):
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach())
-            return TensorSlot(len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
-        if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(strip(v) for v in obj)
-        return obj
+        Raises:
+            ValueError: the checksum or the size does not match the donor's manifest.
+        """
+        inc, self._incoming = self._incoming, None
+        if inc is None:
+            raise RuntimeError("load_end before load_begin")
+        meta = inc.finish(self.model, self.optimizer)
+        return self._loaded(meta, inc.manifest["sha256"])
 
-    skeleton = {"model": strip(model.state_dict()), "optimizer": strip(optimizer.state_dict())}
-    meta = {
-        "applied_steps": applied_steps,
-        "next_step": next_step,
-        "data_position": next_step,
-        "torch_rng": torch.get_rng_state().numpy().tobytes(),
-        "numpy_rng": np.random.get_state(),
-        "python_rng": random.getstate(),
-        "donor": rank,
-    }
-    return tensors, skeleton, meta
+    def _loaded(self, meta: dict, sha256: str) -> dict:
+        self.applied_steps, self.next_step = meta["applied_steps"], meta["next_step"]
+        self._reduced_step = [-1, -1]
+        return {"rank": self.rank, "applied_steps": self.applied_steps, "next_step": self.next_step, "sha256": sha256}
 
+    # -- snapshots (outside the trainers, in shared memory) -------------------------------------
+    def _snapshot_writer(self, snapshot: dict | None) -> SnapshotWriter | None:
+        if snapshot is None:
+            return None
+        w = self._writer
+        if w is None or w.path != snapshot["path"]:
+            w = self._writer = SnapshotWriter(snapshot["path"], snapshot.get("every", 0), snapshot.get("budget", 0.005))
+        return w
 
-def meta_digest(meta: dict) -> bytes:
-    """The bytes of ``meta`` that the stream's SHA-256 covers (counters, donor, torch RNG)."""
-    scalars = {k: meta[k] for k in ("applied_steps", "next_step", "data_position", "donor")}
-    return pickle.dumps((scalars, meta["torch_rng"]), protocol=4)
+    def _snapshot(self, writer: SnapshotWriter) -> None:
+        t0 = time.perf_counter()
+        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
+        try:
+            writer.capture(tensors, skeleton, meta, self._step_ms_avg, t_begin=t0)
+        except OSError as exc:  # /dev/shm full or gone: training goes on without this snapshot
+            log.warning("rank %d: snapshot of step %d not written: %s", self.rank, self.next_step, exc)
 
+    @endpoint
+    def restore_snapshot(self, path: str) -> dict:
+        """Load the snapshot published at ``path`` (checked); returns ``{"rank", "applied_steps",
+        "next_step", "sha256", "restore_ms"}``.
 
-def manifest(views: list, skeleton: dict, meta: dict, chunk_bytes: int, sha256: str | None = None) -> dict:
-    """Describe a stream of byte ``views`` for a receiver: ``{"skeleton", "meta", "nbytes",
-    "chunk_bytes", "chunks", "sha256"}`` (the SHA-256 covers the bytes, then :func:`meta_digest`)."""
-    if sha256 is None:
-        h = hashlib.sha256()
-        for view in views:
-            h.update(view)
-        h.update(meta_digest(meta))
-        sha256 = h.hexdigest()
-    nbytes = sum(v.nbytes for v in views)
-    return {"skeleton": skeleton, "meta": meta, "nbytes": nbytes, "chunk_bytes": chunk_bytes,
-            "chunks": max(1, -(-nbytes // chunk_bytes)), "sha256": sha256}
+        Raises:
+            FileNotFoundError: there is none.
+            ValueError: it is incomplete or fails its SHA-256.
+        """
+        t0 = time.monotonic()
+        man, payload = read_snapshot(path)
+        self._leave_group()
+        self._broken = True
+        inc = Incoming(man, self.model, self.device)
+        inc.write(0, [payload])
+        meta = inc.finish(self.model, self.optimizer)
+        return dict(self._loaded(meta, man["sha256"]), restore_ms=(time.monotonic() - t0) * 1e3)
 
-
-def bytes_view(tensor, writable: bool = False):
-    """A uint8 numpy view of ``tensor``'s bytes (a copy for GPU tensors, which cannot be written)."""
-    import torch
-
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        if writable:
-            raise ValueError("writable byte views need CPU tensors")
-        t = t.cpu()
-    if not t.is_contiguous():
-        if writable:
-            raise ValueError("writable byte views need contiguous tensors")
-        t = t.contiguous()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8).numpy()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def stream_slice(views: list, start: int, end: int) -> list:
-    """Bytes ``[start, end)`` of the stream made of ``views``, as a list of views (no copy)."""
-    out, offset = [], 0
-    for view in views:
-        lo, hi = max(start, offset), min(end, offset + view.nbytes)
-        if lo < hi:
-            out.append(view[lo - offset : hi - offset])
-        offset += view.nbytes
-        if offset >= end:
-            break
-    return out
-
-
-def _stream_write(views: list, start: int, piece) -> None:
-    import numpy as np
-
-    data = np.frombuffer(piece, dtype=np.uint8) if not isinstance(piece, np.ndarray) else piece
-    offset, pos = 0, 0
-    end = start + len(data)
-    for view in views:
-        lo, hi = max(start, offset), min(end, offset + view.nbytes)
-        if lo < hi:
-            view[lo - offset : hi - offset] = data[pos : pos + (hi - lo)]
-            pos += hi - lo
-        offset += view.nbytes
-        if offset >= end:
-            break
-
-
-class Incoming:
-    """Receives a stream described by ``manifest`` into ``model`` / ``optimizer``.
-
-    Model tensors of the right shape and dtype (on CPU) are written in place; the others are
-    staged in new CPU tensors. Nothing is loaded until :meth:`finish` has checked the SHA-256.
-    """
-
-    def __init__(self, manifest: dict, model, device):
+    # -- disk checkpoints (full-job restarts only) ----------------------------------------------
+    @endpoint
+    def save_checkpoint(self, path: str, next_step: int | None = None) -> dict:
+        """``torch.save`` model, optimizer and counters to ``path`` (atomically); returns
+        ``{"path" (None if not saved), "next_step"}``. With ``next_step``, saves only if this rank
+        is at that step (a checkpoint queued behind a window that stopped early is skipped)."""
         import torch
 
-        self.manifest = manifest
-        own = model.state_dict()
-        targets: list = []
+        if next_step is not None and next_step != self.next_step:
+            return {"path": None, "next_step": self.next_step}
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "applied_steps": self.applied_steps, "next_step": self.next_step}, tmp)
+        os.replace(tmp, path)
+        return {"path": path, "next_step": self.next_step}
 
-        def collect(skel, live):
-            if isinstance(skel, TensorSlot):
-                dtype = getattr(torch, skel.dtype)
-                cpu = device.type == "cpu"
-                if cpu and live is not None and tuple(live.shape) == skel.shape and live.dtype == dtype:
-                    targets.append((skel.index, live))
-                else:
-                    targets.append((skel.index, torch.empty(skel.shape, dtype=dtype)))  # staged on CPU
-            elif isinstance(skel, dict):
-                for k, v in skel.items():
-                    collect(v, live.get(k) if isinstance(live, dict) else None)
-            elif isinstance(skel, (list, tuple)):
-                for v in skel:
-                    collect(v, None)
-
-        collect(manifest["skeleton"]["model"], own)
-        collect(manifest["skeleton"]["optimizer"], None)
-        targets.sort(key=lambda t: t[0])
-        self.tensors = [t for _, t in targets]
-        self.views = [bytes_view(t, writable=True) for t in self.tensors]
-        self.offset = 0
-        self.sha = hashlib.sha256()
-
-    def write(self, start: int, pieces: list) -> int:
-        """Write ``pieces`` (byte buffers, in stream order) at byte ``start``; returns bytes so far.
-
-        Raises:
-            RuntimeError: ``start`` is not where the previous piece ended.
-        """
-        if start != self.offset:
-            raise RuntimeError(f"state stream out of order: expected byte {self.offset}, got {start}")
-        for piece in pieces:
-            self.sha.update(piece)
-            _stream_write(self.views, self.offset, piece)
-            self.offset += len(piece)
-        return self.offset
-
-    def finish(self, model, optimizer) -> dict:
-        """Check size and SHA-256, then load the state; returns the manifest's ``meta``.
-
-        Raises:
-            ValueError: the size or the checksum does not match the manifest.
-        """
-        import numpy as np
+    @endpoint
+    def load_checkpoint(self, path: str) -> int:
+        """Load a :meth:`save_checkpoint` file; returns its next step."""
         import torch
 
-        manifest = self.manifest
-        meta = manifest["meta"]
-        self.sha.update(meta_digest(meta))
-        if self.offset != manifest["nbytes"] or self.sha.hexdigest() != manifest["sha256"]:
-            raise ValueError(
-                f"state from rank {meta['donor']} failed its check: {self.offset} of {manifest['nbytes']} "
-                f"bytes, sha256 {self.sha.hexdigest()[:12]} != {manifest['sha256'][:12]}"
-            )
-        tensors = self.tensors
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.applied_steps, self.next_step = state["applied_steps"], state["next_step"]
+        self._reduced_step = [-1, -1]
+        return self.next_step
 
-        def fill(skel):
-            if isinstance(skel, TensorSlot):
-                return tensors[skel.index]
-            if isinstance(skel, dict):
-                return {k: fill(v) for k, v in skel.items()}
-            if isinstance(skel, (list, tuple)):
-                return type(skel)(fill(v) for v in skel)
-            return skel
+    @endpoint
+    def memory(self) -> dict:
+        """``{"rss_bytes", "peak_rss_bytes", "state_bytes"}`` of this proc."""
+        import resource
 
-        model.load_state_dict(fill(manifest["skeleton"]["model"]))
-        optimizer.load_state_dict(fill(manifest["skeleton"]["optimizer"]))
-        torch.set_rng_state(torch.from_numpy(np.frombuffer(meta["torch_rng"], dtype=np.uint8).copy()))
-        np.random.set_state(meta["numpy_rng"])
-        random.setstate(meta["python_rng"])
-        return meta
-
-
-# -- snapshots in shared memory -------------------------------------------------------------------
-def snapshot_tmp_path(path: str, pid: int | None = None) -> str:
-    """The temporary name a writer with ``pid`` uses for published snapshot ``path``: the same
-    name with the writer's pid, so it is the writer's shared-memory file as the runtime sees it."""
-    folder, name = os.path.split(path)
-    prefix, _pid, n = name.rsplit("-", 2)
-    return os.path.join(folder, f"{prefix}-{os.getpid() if pid is None else pid}-{n}")
-
-
-class SnapshotWriter:
-    """Publishes a trainer's state to ``path`` every so often without stopping training.
-
-    :meth:`capture` (on the training thread, at a step boundary) copies the stream into a
-    temporary shared-memory file: that copy is the only pause. A background thread then hashes
-    the file, appends the header, writes the MAGIC and renames it over ``path``. A capture due
-    while the previous one is still being published is skipped.
-
-    Args:
-        path: the published name (``/dev/shm/monarch_nb-<run>-<pid>-<n>``).
-        every: snapshot every this many steps; 0 chooses it so that a snapshot's cost (the pause
-            plus the background CPU time) stays near ``budget`` of the training time.
-        budget: the share of step time snapshots may cost when ``every`` is 0.
-    """
-
-    def __init__(self, path: str, every: int = 0, budget: float = 0.005):
-        self.path = path
-        self.every = every
-        self.budget = budget
-        self.next_at = 0
-        self.published: list[dict] = []  # reported once each, then cleared by :meth:`take_published`
-        self.count = 0
-        self.skipped = 0
-        self._busy = threading.Event()
-        self._lock = threading.Lock()
-
-    def due(self, next_step: int) -> bool:
-        return next_step >= self.next_at
-
-    def capture(self, tensors: list, skeleton: dict, meta: dict, step_ms: float | None,
-                t_begin: float | None = None) -> None:
-        """Copy the state (``next_step = meta["next_step"]``) and publish it in the background.
-
-        Args:
-            step_ms: the trainer's recent step time (for the automatic interval); None if unknown.
-            t_begin: ``time.perf_counter()`` when the trainer began capturing (the pause's start).
-
-        Raises:
-            OSError: the temporary file cannot be created or written.
-        """
-        step = meta["next_step"]
-        if self._busy.is_set():
-            self.skipped += 1
-            self.next_at = step + 1
-            return
-        self._busy.set()
-        self.next_at = step + max(1, self.every)  # provisional: the publication sets the real one
-        t0 = time.perf_counter() if t_begin is None else t_begin
-        tmp = snapshot_tmp_path(self.path)
-        sizes = []
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError:
-            self._busy.clear()
-            raise
-        try:
-            offset = _PREFIX_BYTES
-            for t in tensors:
-                view = bytes_view(t)
-                if view.nbytes:
-                    os.pwrite(fd, memoryview(view), offset)
-                offset += view.nbytes
-                sizes.append(view.nbytes)
-        except BaseException:
-            os.close(fd)
-            self._busy.clear()
-            raise
-        pause_ms = (time.perf_counter() - t0) * 1e3
-        nbytes = offset - _PREFIX_BYTES
-        threading.Thread(target=self._publish, args=(fd, tmp, nbytes, skeleton, meta, pause_ms, step_ms),
-                         name="monarch_nb-snapshot", daemon=True).start()
-
-    def _publish(self, fd: int, tmp: str, nbytes: int, skeleton: dict, meta: dict, pause_ms: float,
-                 step_ms: float | None) -> None:
-        cpu0 = time.thread_time()
-        try:
-            h = hashlib.sha256()
-            if nbytes:
-                with mmap.mmap(fd, _PREFIX_BYTES + nbytes, prot=mmap.PROT_READ) as mapped:
-                    h.update(memoryview(mapped)[_PREFIX_BYTES:])
-            h.update(meta_digest(meta))
-            header = pickle.dumps({"skeleton": skeleton, "meta": meta, "nbytes": nbytes, "sha256": h.hexdigest(),
-                                   "time": time.time()}, protocol=4)
-            os.pwrite(fd, header, _PREFIX_BYTES + nbytes)
-            os.pwrite(fd, _PREFIX.pack(MAGIC, nbytes, len(header)), 0)  # last: the file is complete
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, self.path)
-            cpu_ms = (time.thread_time() - cpu0) * 1e3
-            cost_ms = pause_ms + cpu_ms
-            with self._lock:
-                self.count += 1
-                self.published.append({"step": meta["next_step"], "nbytes": nbytes, "pause_ms": round(pause_ms, 4),
-                                       "cpu_ms": round(cpu_ms, 4), "path": self.path, "sha256": h.hexdigest()})
-            if self.every > 0:
-                self.next_at = meta["next_step"] + self.every
-            elif step_ms is None:  # no step timed yet (the first snapshot): measure again soon
-                self.next_at = meta["next_step"] + 4
-            else:  # keep the cost near the budget: cost / (interval * step time) = budget
-                interval = cost_ms / (self.budget * max(step_ms, 1e-3))
-                self.next_at = meta["next_step"] + max(1, int(interval + 0.999))
-        except Exception:
-            log.warning("publishing the snapshot of step %s failed", meta.get("next_step"), exc_info=True)
-            if fd >= 0:
-                os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        finally:
-            self._busy.clear()
-
-    def take_published(self) -> list[dict]:
-        """The snapshots published since the last call (``{"step", "nbytes", "pause_ms", "cpu_ms",
-        "path", "sha256"}``)."""
-        with self._lock:
-            out, self.published = self.published, []
-        return out
-
-    def wait_idle(self, timeout_s: float = 5.0) -> None:
-        """Wait for a publication in progress to finish."""
-        deadline = time.monotonic() + timeout_s
-        while self._busy.is_set() and time.monotonic() < deadline:
-            time.sleep(0.001)
-
-
-def read_snapshot(path: str) -> tuple[dict, memoryview]:
-    """``(manifest, payload)`` of the snapshot published at ``path``, checked.
-
-    Raises:
-        FileNotFoundError: no snapshot there.
-        ValueError: it is incomplete or fails its SHA-256 (the message says which).
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size < _PREFIX_BYTES:
-            raise ValueError(f"snapshot {path} is incomplete ({size} bytes)")
-        magic, nbytes, header_bytes = _PREFIX.unpack(os.pread(fd, _PREFIX.size, 0))
-        if magic != MAGIC or size != _PREFIX_BYTES + nbytes + header_bytes:
-            raise ValueError(f"snapshot {path} is incomplete (magic {magic!r}, {size} bytes)")
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    view = memoryview(mapped)
-    header = pickle.loads(view[_PREFIX_BYTES + nbytes :])
-    payload = view[_PREFIX_BYTES : _PREFIX_BYTES + nbytes]
-    h = hashlib.sha256(payload)
-    h.update(meta_digest(header["meta"]))
-    if h.hexdigest() != header["sha256"]:
-        raise ValueError(f"snapshot {path} fails its SHA-256 check ({h.hexdigest()[:12]} != {header['sha256'][:12]})")
-    man = {"skeleton": header["skeleton"], "meta": header["meta"], "nbytes": nbytes, "chunk_bytes": max(1, nbytes),
-           "chunks": 1, "sha256": header["sha256"]}
-    return man, payload
+        tensors, _, _ = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"rss_bytes": rss, "peak_rss_bytes": peak, "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
