@@ -6,13 +6,14 @@
     run = mt.start("digits", procs=4)   # in a notebook: returns at once
     run.subscribe(print); run.wait(); run.report().to_json("report.json")
 
-The rooms: :mod:`.run` (``fit``, ``start``, the :class:`TrainingRun` handle), :mod:`.options`
-(checked options), :mod:`.coordinator` (windows of steps, commits), :mod:`.recovery` (failures,
-restarts, quorums, heals, restores), :mod:`.report`, :mod:`.progress` (the terminal's progress
-bar), :mod:`.data` (the sample order and ledger), :mod:`.workloads` (what can be trained) and
-:mod:`.cli`. ``trainer`` (the Trainer actor) and ``trainer_state`` (heal streams and snapshots)
-run inside each proc; the rest runs on the controller. Names load lazily, so importing this
-package does not import torch.
+The rooms, on the controller: :mod:`.run` (``fit``, ``start``, the :class:`TrainingRun` handle),
+:mod:`.options` (checked options), :mod:`.coordinator` (windows of steps, commits), with
+:mod:`.launch` (procs, trainers) and :mod:`.boundaries` (recover, restore, inject, heal) as its
+parts, :mod:`.recovery` (failures, restarts, quorums, heals), :mod:`.report`, :mod:`.progress`
+(the terminal's progress bar), :mod:`.cli`; shared: :mod:`.data` (the sample order and ledger),
+:mod:`.workloads`. In each proc: :mod:`.trainer` (the Trainer actor) with :mod:`.trainer_quorum`,
+:mod:`.trainer_state`, :mod:`.trainer_stream` and :mod:`.trainer_snapshot`. Design and figures:
+``docs/training.md``. Names load lazily, so importing this package does not import torch.
 
 May import: the core, ``runtime`` and ``faults``; ``hip_ext`` (outside this package) for kernels.
 """
