@@ -84,7 +84,6 @@ class Coordinator(Launch, Boundaries):
         self.planned: dict[int, list[FaultSpec]] = {}
         self.split_steps: set[int] = set()
         self.step_s: float | None = None
-        self.window_counts: list[int] = []
         self.step_ms: list[float] = []
         self.productive_s = 0.0
         self.attempts_failed = 0
@@ -329,7 +328,7 @@ class Coordinator(Launch, Boundaries):
             if all_ok:
                 self._learn_step_time(reps[0]["step_ms"])
             self._commit_upto(win.start + min(len(r["loss"]) for r in reps))
-        if self.next_commit >= win.start + win.count:
+        if self.next_commit >= win.start + win.count and win in self.windows:
             self.windows.remove(win)
         if not all_ok and self.nonfinite_at is None:
             self.recover = True
