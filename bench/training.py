@@ -152,9 +152,12 @@ def steady(args, workload: str, steps: int, transport: str) -> tuple[dict, list,
         ddp.append(run_ddp(args, workload, steps))
     m_tp = statistics.median(r["throughput_samples_per_s"] for r in mon)
     d_tp = statistics.median(r["throughput_samples_per_s"] for r in ddp)
+    # the machine's load drifts between runs: each monarch_nb run is compared with the DDP run right after it
+    pairs = [m["throughput_samples_per_s"] / d["throughput_samples_per_s"] for m, d in zip(mon, ddp)]
     return {
         "workload": workload, "transport": transport, "steps": steps, "global_batch": mon[0]["global_batch"],
-        "monarch_samples_per_s": m_tp, "ddp_samples_per_s": d_tp, "ratio": m_tp / d_tp,
+        "monarch_samples_per_s": m_tp, "ddp_samples_per_s": d_tp, "ratio": statistics.median(pairs),
+        "pair_ratios": pairs, "ratio_of_medians": m_tp / d_tp,
         "monarch_step_ms_median": statistics.median(r["step_time_ms_median"] for r in mon),
         "ddp_step_ms_median": statistics.median(r["step_ms"][len(r["step_ms"]) // 2] for r in ddp),
         "monarch_window_steps_median": statistics.median(r["window_steps_median"] for r in mon),
