@@ -9,7 +9,7 @@ kernel) show a cluster of 8 hosts x 8 GPUs on a 2-core machine.
 
 The default picture: one proc mesh ``pm0`` with dims {"hosts": 8, "gpus": 8} on host1..host8;
 rank 19 failed (SIGKILL), host6 lost (its 8 ranks failed with cause ``host_lost``), a few ranks
-busy, one hung, one paused at breakpoint(), one restarting.
+busy, one hung, one paused at breakpoint() (52), one restarting.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class SyntheticController:
                 rec = self.record(rank)
                 rec.state = ProcState.BUSY
                 rec.busy = {"trainers": ["step", 1.5 + rank / 10]}
-        if 41 < len(self.procs):
-            self.record(41).paused = [{"actor": "trainers", "file": "train.py", "line": 88}]
+        if 52 < len(self.procs):  # a user holds rank 52 at breakpoint()
+            self.record(52).paused = [{"actor": "trainers", "file": "train.py", "line": 88}]
         if 58 < len(self.procs):
             self.record(58).state = ProcState.HUNG
             self._event("proc_hung", 58, "no heartbeat for 1.2 s", "heartbeat")

@@ -87,6 +87,11 @@ def test_tree_buttons_and_bad_clicks(tree, procs4):
     assert tree.proc_states()[0] in ("healthy", "busy")
 
 
+def _from_browser(widget, content: dict) -> None:
+    """Deliver a message as the widget's view sends it (a comm "custom" message)."""
+    widget._handle_custom_msg(content, [])
+
+
 @pytest.fixture
 def cluster_tree():
     """The widget over a synthetic 8 hosts x 8 GPUs cluster (real records and snapshot, no processes)."""
@@ -109,19 +114,20 @@ def test_grid_at_cluster_size_shows_every_host_and_rank(cluster_tree):
     assert by_rank[FAILED_RANK]["state"] == "failed" and by_rank[FAILED_RANK]["cause"] == "SIGKILL"
     assert "rank 19" in by_rank[FAILED_RANK]["title"] and "failed (SIGKILL)" in by_rank[FAILED_RANK]["title"]
     assert {by_rank[r]["state"] for r in (3, 12, 33)} == {"busy"}
-    assert by_rank[58]["state"] == "hung" and by_rank[62]["state"] == "restarting" and by_rank[41]["state"] == "failed"
+    assert by_rank[58]["state"] == "hung" and by_rank[62]["state"] == "restarting" and by_rank[52]["state"] == "paused"
     lost = next(r for r in rows if r["name"] == LOST_HOST)
     assert lost["lost"] and lost["last_event"]["kind"] == "host_lost"
     assert {c["state"] for c in lost["cells"]} == {"failed"} and {c["cause"] for c in lost["cells"]} == {"host_lost"}
     assert [r["name"] for r in rows if r["lost"]] == [LOST_HOST]
-    assert widget.grid["counts"] == {"healthy": 50, "busy": 3, "hung": 1, "failed": 9, "restarting": 1}
+    assert widget.grid["counts"] == {"healthy": 49, "busy": 3, "paused": 1, "hung": 1, "failed": 9,
+                                     "restarting": 1}
     assert any(e["kind"] == "host_lost" and e["host"] == LOST_HOST for e in widget.events)
     assert widget.nodes == {}  # the grid sends no per-node data (heartbeat ages change every second)
 
 
 def test_a_click_on_a_cell_selects_that_rank_and_its_details_name_it(cluster_tree):
     widget, _ = cluster_tree
-    widget.set_state({"selected": "pm0.19"})  # what the browser sends when the cell of rank 19 is clicked
+    _from_browser(widget, {"action": "select", "name": "pm0.19"})  # what a click on the cell of rank 19 sends
     wait_until(lambda: widget.details.get("node", {}).get("rank") == FAILED_RANK, 5, message="details of rank 19")
     details = widget.details
     assert details["title"].startswith("rank 19 of pm0") and "host3 (gpu-node-03)" in details["title"]
@@ -155,12 +161,13 @@ def test_fault_and_restart_from_a_selected_cell(cluster_tree):
 
 def test_the_view_toggle_and_the_threshold(cluster_tree):
     widget, _ = cluster_tree
-    widget.set_state({"view": "list"})  # the toolbar's toggle
+    _from_browser(widget, {"action": "view", "view": "list"})  # the toolbar's toggle
     wait_until(lambda: widget.layout == "list" and widget.nodes.get("kind") == "controller", 5, message="the list layout")
     assert len([p for h in widget.nodes["children"] for p in h["children"]]) == 64
-    widget.set_state({"view": "sideways"})  # a bad value from a frontend is refused, the view kept
+    _from_browser(widget, {"action": "view", "view": "sideways"})  # a bad value is refused, the view kept
+    widget.view = "sideways"
     assert widget.view == "list"
-    widget.set_state({"view": "auto"})
+    _from_browser(widget, {"action": "view", "view": "auto"})
     wait_until(lambda: widget.layout == "grid" and widget.nodes == {}, 5, message="the grid again")
     for hosts, per_host, layout in ((2, GRID_AT // 2, "list"), (3, 6, "grid")):  # GRID_AT procs still list
         small = SupervisionTree(controller=SyntheticController(hosts=hosts, per_host=per_host, scenario=False))
@@ -179,10 +186,10 @@ def test_the_grids_static_fallback(cluster_tree):
     assert page.count('data-lost="true"') == 1 and 'data-name="host6" data-lost="true"' in page
     assert 'data-rank="19" data-state="failed"' in page and "rank 19 · pm0.19 · failed (SIGKILL)" in page
     text = [line.strip() for line in widget.static_text().splitlines()]
-    assert text[0] == "8 hosts, 64 procs: 50 healthy, 3 busy, 1 hung, 9 failed, 1 restarting"
+    assert text[0] == "8 hosts, 64 procs: 49 healthy, 3 busy, 1 paused, 1 hung, 9 failed, 1 restarting"
     assert "host6 (gpu-node-06) · LOST · load 0.80 · ranks 40-47: failed ranks 40-47" in text
     assert "host3 (gpu-node-03) · healthy · load 0.47 · ranks 16-23: 7 healthy, failed rank 19" in text
-    widget.set_state({"view": "list"})
+    widget.view = "list"
     wait_until(lambda: widget.layout == "list", 5, message="the list layout")
     assert "rank 19 · pm0.19" in widget.static_text() and 'class="mnb-cell"' not in widget.static_html()
 

@@ -180,20 +180,36 @@ def cell_title(cell: dict) -> str:
 
 
 def grid_html(grid: dict) -> list[str]:
-    """The grid as HTML (inline styles): a summary, then one row per host with its cells."""
+    """The grid as HTML (inline styles: a saved notebook has no widget CSS): a summary, then one
+    row per host (name, machine, state or a LOST badge, load) with its cells (failed ones hatched)."""
     out = [f'<div style="margin-bottom:4px">{html.escape(_summary(grid))}</div>']
     for row in grid["hosts"]:
-        head = _host_facts({"name": row["name"], "state": row["state"], "lost": row["lost"], "load": row["load"],
-                            "detail": {"hostname": row["hostname"]}})
         lost = ("background:repeating-linear-gradient(135deg,rgba(198,40,40,.10) 0 6px,transparent 6px 12px);"
                 "outline:1px solid #c62828;" if row["lost"] else "")
+        state = ('<span style="background:#c62828;color:#fff;padding:0 4px;border-radius:3px;font-weight:bold;'
+                 'font-size:10px">LOST</span>' if row["lost"] else html.escape(row["state"]))
+        load = "-" if row["load"] is None else f"{row['load']:.2f}"
+        machine = f' <span style="color:#666">{html.escape(row["hostname"])}</span>' if row["hostname"] else ""
+        label = (f'<span style="flex:0 0 24em;white-space:nowrap;overflow:hidden;text-overflow:ellipsis">{_dot(row["state"])}'
+                 f'<b>{html.escape(row["name"])}</b>{machine} {state} <span style="color:#666">load {load}</span></span>')
         cells = "".join(
             f'<span class="mnb-cell" data-rank="{c["rank"]}" data-state="{html.escape(c["state"])}" '
-            f'title="{html.escape(c["title"])}" style="display:inline-block;min-width:22px;height:18px;margin:1px;'
-            f'text-align:center;font-size:10px;line-height:18px;color:#fff;border-radius:2px;'
-            f'background:{COLORS.get(c["state"], "#9e9e9e")}">{c["rank"]}</span>' for c in row["cells"])
+            f'title="{html.escape(c["title"])}" style="display:inline-block;min-width:24px;height:20px;margin:1px;'
+            f'text-align:center;font-size:10px;line-height:20px;color:#fff;border-radius:3px;'
+            f'background-color:{COLORS.get(c["state"], "#9e9e9e")};{_HATCH if c["state"] == "failed" else ""}">{c["rank"]}</span>'
+            for c in row["cells"])
         out.append(f'<div class="mnb-hostrow" data-name="{html.escape(row["name"])}" data-lost="{str(row["lost"]).lower()}" '
-                   f'style="display:flex;align-items:center;padding:1px 2px;{lost}">'
-                   f'<span style="min-width:260px">{_dot(row["state"])}{html.escape(head)}</span>'
-                   f'<span style="display:flex;flex-wrap:wrap">{cells}</span></div>')
+                   f'style="display:flex;align-items:center;padding:1px 4px;border-radius:3px;{lost}">'
+                   f'{label}<span style="display:flex;flex-wrap:wrap">{cells}</span>{_lost_why(row)}</div>')
     return out
+
+
+def _lost_why(row: dict) -> str:
+    event = row.get("last_event")
+    if not (row["lost"] and event):
+        return ""
+    return f'<span style="color:#c62828;margin-left:8px">lost {html.escape(event["clock"])}: {html.escape(event["detail"])}</span>'
+
+
+#: a failed cell's hatching (the live view's CSS does the same), so it differs from the others without colour
+_HATCH = "background-image:repeating-linear-gradient(135deg,rgba(255,255,255,.28) 0 3px,transparent 3px 6px)"

@@ -10,8 +10,9 @@ It draws what :class:`~.tree_widget.SupervisionTree` puts in its model and sends
 - the selected node's details (``details``: title, facts, a rank's fault and restart buttons,
   its actors, events and last output), the status line, the recent events.
 
-Selecting sets the model's ``selected``; a button sends ``{"action": "fault"|"restart", "kind",
-"mesh", "rank"}``. Elements carry ``data-*`` attributes (state, rank, pid, ...) that the browser
+A click sends a message: ``{"action": "select", "name"}`` (a node, a host or a cell),
+``{"action": "view", "view"}`` (the toggle), ``{"action": "fault"|"restart", "kind", "mesh",
+"rank"}`` (a button); Python sets ``selected`` and ``view`` from them. Elements carry ``data-*`` attributes (state, rank, pid, ...) that the browser
 tests read.
 """
 
@@ -51,7 +52,10 @@ function dot(state) { return el("span", {class: "mnb-dot", style: `background:${
 function render({ model, el: host }) {
   const root = el("div", {class: "mnb-tree"});
   host.append(root);
-  const select = (name) => { model.set("selected", name); model.save_changes(); };
+  // a choice goes to Python as a message, not as a synced trait: ipywidgets holds back a trait
+  // update while the previous one is unanswered, and a kernel busy in an awaiting cell (%mesh
+  // wait) answers none, so a second click would wait for the cell to end; messages are not held
+  const select = (name) => { model.set("selected", name); model.send({action: "select", name}); };
 
   // the fault and restart buttons of one proc node (a list row, or the grid's details)
   const buttons = (node, into) => {
@@ -69,26 +73,22 @@ function render({ model, el: host }) {
     into.append(r);
   };
 
-  const toolbar = (layout) => {
+  const toolbar = (box, layout) => {
     const grid = model.get("grid") || {};
-    const bar = el("div", {class: "mnb-toolbar"},
-      el("span", {class: "mnb-summary"}, `${(grid.hosts || []).length} host(s) · ${grid.procs || 0} procs`));
+    box.append(el("span", {class: "mnb-summary"}, `${(grid.hosts || []).length} host(s) · ${grid.procs || 0} procs`));
     const legend = el("span", {class: "mnb-legend"});
     for (const [state, n] of Object.entries(grid.counts || {}))
       legend.append(el("span", {class: "mnb-legend-item", "data-state": state},
         el("span", {class: "mnb-swatch", style: `background-color:${COLORS[state] || "#9e9e9e"}`}), `${state} ${n}`));
-    bar.append(legend);
+    box.append(legend);
     const toggle = el("span", {class: "mnb-toggle", title: "grid: one cell per rank; list: one row per node"});
-    for (const view of ["grid", "list"]) {
-      const b = el("button", {class: "mnb-btn mnb-view", "data-view": view, "aria-pressed": String(layout === view),
-        onclick: () => { model.set("view", view); model.save_changes(); }}, view);
-      toggle.append(b);
-    }
-    bar.append(toggle);
-    return bar;
+    for (const view of ["grid", "list"])
+      toggle.append(el("button", {class: "mnb-btn mnb-view", "data-view": view, "aria-pressed": String(layout === view),
+        onclick: () => { model.set("view", view); model.send({action: "view", view}); }}, view));
+    box.append(toggle);
   };
 
-  const drawList = (tree, selected) => {
+  const drawList = (box, tree, selected) => {
     const label = (node) => {
       let text;
       if (node.kind === "controller") text = `controller · pid ${node.pid}`;
@@ -121,16 +121,15 @@ function render({ model, el: host }) {
             (node.failures > 1 ? ` (${node.failures} in all)` : "")));
         }
       }
-      root.append(row);
+      box.append(row);
       for (const child of node.children || []) visit(child, depth + 1);
     };
-    if (tree.kind) visit(tree, 0); else root.append(el("div", {}, "no controller yet"));
+    if (tree.kind) visit(tree, 0); else box.append(el("div", {}, "no controller yet"));
   };
 
-  const drawGrid = (selected) => {
-    const grid = model.get("grid") || {};
+  const drawGrid = (box, grid, selected) => {
     const several = (grid.meshes || []).length > 1;
-    const box = el("div", {class: "mnb-grid"});
+    box.classList.add("mnb-grid");
     for (const row of grid.hosts || []) {
       const line = el("div", {class: "mnb-hostrow mnb-host" + (row.lost ? " mnb-lost" : ""), "data-name": row.name,
         "data-state": row.state, "data-lost": String(row.lost)});
@@ -154,20 +153,20 @@ function render({ model, el: host }) {
         line.append(el("span", {class: "mnb-lostwhy", title: row.last_event.detail}, `lost ${row.last_event.clock}: ${short(row.last_event.detail)}`));
       box.append(line);
     }
-    root.append(box);
   };
 
-  const drawDetails = (layout) => {
-    const d = model.get("details") || {};
-    if (!d.node) return;
+  // the selected node: a head (title, a rank's buttons) and a body (facts, actors, events, output),
+  // redrawn apart: the body changes every second (heartbeat age), the buttons must stay clickable
+  const detailsHead = (box, d, layout) => {
     const n = d.node;
-    const box = el("div", {class: "mnb-details", "data-kind": n.kind, "data-name": n.name});
     box.append(el("div", {class: "mnb-title"}, d.title || `${n.kind} ${n.name}`));
     if (n.kind === "proc" && layout === "grid") {
       const actions = el("div", {class: "mnb-actions"});
       buttons(n, actions);
       box.append(actions);
     }
+  };
+  const detailsBody = (box, d) => {
     for (const [k, v] of d.facts || []) box.append(el("div", {class: "mnb-fact", "data-fact": k}, `${k}: ${v}`));
     if ((d.actors || []).length) {
       box.append(el("div", {class: "mnb-title"}, "actors"));
@@ -182,28 +181,57 @@ function render({ model, el: host }) {
       box.append(el("div", {class: "mnb-title"}, "last output"));
       box.append(el("pre", {class: "mnb-output"}, d.output.join("\n") || "(none)"));
     }
-    root.append(box);
+  };
+  const eventLog = (box, events) => {
+    if (!events.length) return;
+    box.append(el("div", {class: "mnb-title"}, "recent events"));
+    for (const e of events.slice().reverse())
+      box.append(el("div", {class: "mnb-event", "data-kind": e.kind, "data-rank": e.rank, title: e.detail},
+        `${e.clock} ${e.rank >= 0 ? `${e.mesh}.${e.rank}` : e.host} ${e.kind} ${short(e.detail)}`));
+  };
+
+  // each part is redrawn only when what it shows changed: a cell or a button is not replaced
+  // under the pointer by an update that does not concern it (heartbeat ages tick every second)
+  const parts = {toolbar: el("div", {class: "mnb-toolbar"}), body: el("div", {class: "mnb-body"}),
+    status: el("div", {class: "mnb-status"}), details: el("div", {class: "mnb-details"}), events: el("div", {class: "mnb-events"})};
+  parts.head = el("div", {class: "mnb-details-head"});
+  parts.facts = el("div", {class: "mnb-details-body"});
+  parts.details.append(parts.head, parts.facts);
+  for (const name of ["toolbar", "body", "status", "details", "events"]) root.append(parts[name]);
+  const shown = {};
+  const update = (name, inputs, fn) => {
+    const key = JSON.stringify(inputs);
+    if (shown[name] === key) return;
+    shown[name] = key;
+    const box = parts[name];
+    box.replaceChildren();
+    box.className = box.className.split(" ")[0];
+    fn(box);
   };
 
   const draw = () => {
-    const tree = model.get("nodes") || {};
-    const selected = model.get("selected");
     const layout = model.get("layout") || "list";
-    root.replaceChildren();
+    const selected = model.get("selected");
+    const busy = model.get("busy") || [];
+    const grid = model.get("grid") || {};
     root.setAttribute("data-layout", layout);
-    root.append(toolbar(layout));
-    if (layout === "grid") drawGrid(selected); else drawList(tree, selected);
+    update("toolbar", [layout, grid.counts, (grid.hosts || []).length, grid.procs], (box) => toolbar(box, layout));
+    if (layout === "grid") update("body", [layout, grid, selected], (box) => drawGrid(box, grid, selected));
+    else update("body", [layout, model.get("nodes"), selected, busy], (box) => drawList(box, model.get("nodes") || {}, selected));
     const status = model.get("status");
-    if (status) root.append(el("div", {class: "mnb-status"}, status));
-    drawDetails(layout);
-    const events = model.get("events") || [];
-    if (events.length) {
-      const log = el("div", {class: "mnb-events"}, el("div", {class: "mnb-title"}, "recent events"));
-      for (const e of events.slice().reverse())
-        log.append(el("div", {class: "mnb-event", "data-kind": e.kind, "data-rank": e.rank, title: e.detail},
-          `${e.clock} ${e.rank >= 0 ? `${e.mesh}.${e.rank}` : e.host} ${e.kind} ${short(e.detail)}`));
-      root.append(log);
+    update("status", status, (box) => { if (status) box.append(status); });
+    const d = model.get("details") || {};
+    parts.details.style.display = d.node ? "" : "none";
+    if (d.node) {
+      parts.details.setAttribute("data-kind", d.node.kind);
+      parts.details.setAttribute("data-name", d.node.name);
+      const n = d.node;
+      update("head", [layout, d.title, n.kind, n.name, n.state, n.mesh, n.rank, busy.includes(`${n.mesh}.${n.rank}`)],
+        (box) => detailsHead(box, d, layout));
+      update("facts", [d.facts, d.actors, d.events, d.output], (box) => detailsBody(box, d));
     }
+    const events = model.get("events") || [];
+    update("events", events, (box) => eventLog(box, events));
   };
   for (const name of ["nodes", "grid", "layout", "selected", "details", "events", "status", "busy"]) model.on(`change:${name}`, draw);
   draw();
@@ -242,6 +270,7 @@ CSS = """
 .mnb-badge { background: #c62828; color: #fff; padding: 0 4px; border-radius: 3px; font-weight: bold; font-size: 10px; }
 .mnb-lostwhy { color: #c62828; margin-left: 8px; }
 .mnb-status { margin-top: 4px; color: #555; }
+.mnb-status:empty, .mnb-events:empty { display: none; }
 .mnb-details { margin-top: 6px; padding: 4px 8px; border-left: 3px solid #90caf9; }
 .mnb-actions { margin: 2px 0 4px; }
 .mnb-title { font-weight: bold; margin-top: 4px; }

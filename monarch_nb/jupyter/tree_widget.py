@@ -268,7 +268,7 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
             if node is None:
                 raise ValueError(f"no rank {rank!r}{f' of {mesh!r}' if mesh else ''} in the tree")
             name = node["name"]
-        self.selected = name  # as a frontend's click sets it
+        self._on_frontend_msg(self, {"action": "select", "name": name}, [])  # what a click sends
         self._refresh()
         return self.details
 
@@ -282,6 +282,12 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
 
     def _on_frontend_msg(self, _widget: Any, content: dict, _buffers: list) -> threading.Thread | None:
         action = content.get("action")
+        if action == "select" and isinstance(content.get("name"), str):
+            self.selected = content["name"]
+            return None
+        if action == "view" and content.get("view") in VIEWS:
+            self.view = content["view"]
+            return None
         if action not in ("fault", "restart"):
             return None
         worker = threading.Thread(target=self._act, args=(content,), name="mnb-tree-action", daemon=True)
