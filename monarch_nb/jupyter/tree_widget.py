@@ -38,7 +38,7 @@ import traitlets
 from ..supervision.records import ProcState
 from . import tree_grid
 from .fallback import StaticFallback
-from .refresh import refresh_loop
+from .refresh import push_changes, refresh_loop
 from .tree_grid import COLORS, GRID_AT, VIEWS
 from .tree_view import BUTTON_FAULTS, CSS, ESM
 
@@ -214,20 +214,7 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         details = self._details(tree)
         nodes = tree if layout == "list" else {}  # the grid needs no per-node data: less to send each second
         self.tree = tree
-        with self.hold_sync():
-            if nodes != self.nodes:
-                self.nodes = nodes
-            if grid != self.grid:
-                self.grid = grid
-            if layout != self.layout:
-                self.layout = layout
-            if events != self.events:
-                self.events = events
-            if details != self.details:
-                self.details = details
-            busy = sorted(self._busy)
-            if busy != self.busy:
-                self.busy = busy
+        push_changes(self, nodes=nodes, grid=grid, layout=layout, events=events, details=details, busy=sorted(self._busy))
         self.updates += 1
 
     # -- reading (tests, scripts) -------------------------------------------------------------------
