@@ -119,7 +119,7 @@ def test_a_mesh_on_two_hosts_runs_cells_status_and_tree(kernel, workers):
     assert "4 procs (dims {'hosts': 2, 'gpus': 2}) on 2 host(s)" in _stdout(ex), _stdout(ex)
 
     ex = kernel.ok("%%mesh\nimport os\nprint('hello', rank, coords['hosts'], coords['gpus'], os.getpid())", 60)
-    got = re.findall(r"^\[stdout:(\d)\] hello (\d) (\d) (\d) (\d+)$", _stdout(ex), re.M)
+    got = sorted(re.findall(r"^\[stdout:(\d)\] hello (\d) (\d) (\d) (\d+)$", _stdout(ex), re.M))  # ranks interleave
     assert [(int(r), int(h), int(g)) for r, _, h, g, _ in got] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)], _stdout(ex)
     pids = {int(r): int(p) for r, _, _, _, p in got}
 
@@ -224,3 +224,35 @@ def test_a_job_that_ended_is_refused(kernel, tmp_path):
     ex = kernel.execute(f"%mesh start --job {path}")
     assert ex.status == "error" and "is not running any more" in _error_text(ex) and "job_load" in _error_text(ex)
     assert os.path.exists(path)  # nothing was started or removed
+
+
+def test_a_lost_host_shows_as_lost_and_its_rank_restarts_when_it_is_back(kernel, workers):
+    first, second = workers["addresses"]
+    kernel.ok(f"%mesh start 1 --hosts {first},{second}", 120)
+    kernel.ok("%mesh tree")
+    # what the widget sends the browser: the names of the hosts its grid shows lost, as it shows them
+    kernel.ok("import json\nfrom monarch_nb.runtime.controller import Controller\n"
+              "from monarch_nb.jupyter.session import current\n"
+              f"name = next(h.name for h in Controller.get().hosts.values() if h.address == {second!r})\n"
+              "shown_lost = []\n"
+              "current().tree_widget.observe(lambda change: shown_lost.extend(\n"
+              "    r['name'] for r in change['new'].get('hosts', []) if r['lost']), names=['grid'])")
+    agent = int(kernel.ok("print(Controller.get().hosts[name].pid)").stream_text())
+    assert _ppid(agent) == workers["pids"][1]
+    os.kill(agent, signal.SIGKILL)  # the host agent of the second worker dies: the host is lost
+    kernel.ok("%mesh wait --until \"name in shown_lost\" --timeout 30", 60)
+    assert _stdout(kernel.ok("%%mesh --ranks 0\nprint('still here', rank)", 60)).strip() == "[stdout:0] still here 0"
+    # the worker loop is alive: the controller attaches it again (a fresh agent); the lost rank stays
+    # failed (cause host_lost) until restarted there
+    kernel.ok("%mesh wait --until \"Controller.get().hosts[name].state == 'healthy'\" --timeout 60", 90)
+    row = json.loads(kernel.ok(
+        "_t = current().tree_widget\n_t.refresh()\nprint(json.dumps(next(r for r in _t.grid['hosts'] if r['name'] == name)))"
+    ).stream_text())
+    assert not row["lost"] and row["last_event"]["kind"] == "host_returned"
+    assert [(c["rank"], c["state"], c["cause"]) for c in row["cells"]] == [(1, "failed", "host_lost")]
+    status = _stdout(kernel.ok("%mesh status", 60))
+    assert re.search(r"^\s+1\s+host\d\s+failed\s", status, re.M) and "host_lost" in status and "host_returned" in status, status
+    assert "restarted" in _stdout(kernel.ok("%mesh restart 1", 120))
+    ex = kernel.ok("%%mesh\nrank * 10", 60)
+    assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: 0", "Out[1]: 10"]
+    kernel.ok("%mesh stop", 60)

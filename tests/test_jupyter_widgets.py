@@ -159,6 +159,26 @@ def test_fault_and_restart_from_a_selected_cell(cluster_tree):
     assert "failed" in widget.status and "restart it first" in widget.status
 
 
+def test_a_lost_host_stays_lost_while_it_is_attached_again_until_it_is_back(cluster_tree):
+    from monarch_nb.supervision.events import Event
+    from monarch_nb.supervision.records import HostRecord, ProcState
+
+    widget, controller = cluster_tree
+
+    def row():
+        widget.refresh()
+        return next(r for r in widget.grid["hosts"] if r["name"] == LOST_HOST)
+
+    # the controller attaches it again: a new record, "starting", until its agent says hello
+    controller.hosts[LOST_HOST] = HostRecord(LOST_HOST, address=controller.hosts[LOST_HOST].address)
+    assert row()["lost"] and row()["state"] == "starting"
+    controller.hosts[LOST_HOST].state = ProcState.HEALTHY
+    controller.events.append(Event("host_returned", host=LOST_HOST, detail="attached again; its procs start fresh"))
+    back = row()
+    assert not back["lost"] and back["last_event"]["kind"] == "host_returned"
+    assert {c["state"] for c in back["cells"]} == {"failed"}  # its ranks start fresh only when restarted
+
+
 def test_the_view_toggle_and_the_threshold(cluster_tree):
     widget, _ = cluster_tree
     _from_browser(widget, {"action": "view", "view": "list"})  # the toolbar's toggle

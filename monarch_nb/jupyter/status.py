@@ -103,12 +103,16 @@ def _host_width(hosts: list[str]) -> int:
 def _hosts_lines(controller: Any, hosts: list[str]) -> list[str]:
     """For a mesh on attached hosts, one line per host: its state, machine, address and load."""
     records = getattr(controller, "hosts", {})
+    last = {}  # host -> its last host_lost / host_returned: lost until it is back, also while re-attached
+    for event in controller.events.events(since_seq=max(0, controller.events.next_seq - 2000)):
+        if event.kind in ("host_lost", "host_returned"):
+            last[event.host] = event.kind
     shown = []
     for name in dict.fromkeys(hosts):
         rec = records.get(name)
         if rec is None or not rec.address:  # this machine's host agent: nothing to tell
             continue
-        state = "LOST" if rec.state == "failed" else str(rec.state)
+        state = "LOST" if rec.state == "failed" or last.get(name) == "host_lost" else str(rec.state)
         machine = rec.detail.get("hostname") or "?"
         load = f", load {rec.load:.2f}" if rec.last_heartbeat else ""
         shown.append(f"  {name}: {state}, {machine} at {rec.address}{load}")

@@ -355,8 +355,11 @@ def _clock(seconds: float) -> str:
 
 
 def _describe_host(node: dict, record: Any, event: Any) -> None:
-    """Add what a host's row shows to its tree node: load, address, machine, lost, last event."""
-    node["lost"] = node["state"] == ProcState.FAILED
+    """Add what a host's row shows to its tree node: load, address, machine, lost, last event.
+
+    Lost: failed, or lost and not yet back (while the controller attaches it again, its record
+    is a new one, "starting", until its agent says hello: still lost for the user)."""
+    node["lost"] = node["state"] == ProcState.FAILED or (event is not None and event.kind == "host_lost")
     node["load"] = round(record.load, 2) if record is not None and record.last_heartbeat else None
     node["address"] = record.address if record is not None else ""
     node["detail"] = {**node.get("detail", {}), **(dict(record.detail) if record is not None else {})}
