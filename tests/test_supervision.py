@@ -238,7 +238,7 @@ def test_restart_in_place_respawns_actors(m):
     assert wait_event(ctrl, procs, "proc_restarted", 1, since).cause == "restart"
     assert one.incr.call_one(1).get(timeout=DEADLINE_S) == 6  # constructed again with Counter(5)
     info = one.whoami.call_one().get(timeout=DEADLINE_S)
-    assert info["coords"] == {"gpus": 1} and info["pid"] == rec.pid and info["env_rank"] == 1
+    assert info["mesh_coords"] == {"gpus": 1} and info["pid"] == rec.pid and info["env_rank"] == 1
     node = find(procs.tree(), "proc", rank=1)[0]
     assert node["pid"] == rec.pid and node["restarts"] == restarts + 1 and node["coords"] == {"gpus": 1}
     assert counters.get_value.call().get(timeout=DEADLINE_S).values()[1] == 6

@@ -26,7 +26,9 @@ from typing import Any, Callable, Sequence
 
 from .. import device
 from ..actor import backend
+from ..actor.context import context as current_context
 from ..actor.backend import Target
+from ..actor.context import CLIENT_MESH
 from ..actor.future import Future
 from ..actor.shape import Extent
 from ..config import config
@@ -37,8 +39,10 @@ from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRe
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
-from ..transport.serialization import dumps
+from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import Signer, route_id
+from .actor_meshes import LOCAL_PROC, ActorMeshes
+from .actors import ActorHost, error_info
 from .launch import LocalAgent, proc_specs
 from .liveness import Liveness
 from .messenger import Messenger
@@ -97,6 +101,9 @@ class Controller:
         else:
             self.address = self.channel.bind(f"ipc://{self.run_dir}/controller")
         self.messenger = Messenger(self.channel)
+        self.local_host = ActorHost(LOCAL_PROC, CLIENT_MESH, 0, Extent({}), self.channel.send, self.messenger,
+                                    self._from_local_host)
+        self.messenger.local[LOCAL_PROC] = self.local_host.dispatch
         self.events = EventLog()
         self.procs: dict[str, ProcRecord] = {}
         self.meshes: dict[str, ProcMeshRecord] = {}
@@ -121,7 +128,11 @@ class Controller:
             Kind.ACTOR_ERROR: self._from_proc(self._on_actor_error),
             Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
             Kind.AGENT_HELLO: self._on_agent_hello,
+            Kind.PORT: self.messenger.on_port,
+            Kind.CONTROL: self._on_control,
         }
+        self.actor_meshes = ActorMeshes(self)
+        self._handlers[Kind.ACTOR_FAILED] = self.actor_meshes.on_actor_failed
         self.channel.every(config.heartbeat_interval_s, self._tick)
         self.channel.start(name="monarch_nb-controller-io")
         backend.install(self)
@@ -134,8 +145,8 @@ class Controller:
 
     # -- the actor API's backend -------------------------------------------------------------------
     def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
-             extent: Extent | None, want_reply: bool = True) -> Future | None:
-        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply)
+             extent: Extent | None, want_reply: bool = True, **how: Any) -> Any:
+        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply, **how)
 
     def failure_of(self, proc: str) -> SupervisionError | None:
         return self.messenger.failure_of(proc)
@@ -144,7 +155,13 @@ class Controller:
         record = self.meshes.get(mesh)
         return record is not None and record.stopped
 
-    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None) -> str:
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "") -> str:
+        """Start procs (see :meth:`HostMesh.spawn_procs`), owned by the calling actor or the client."""
+        name = self._spawn_procs(hosts, extent, name, python)
+        self.actor_meshes.own_procs(_caller_owner(), name)
+        return name
+
+    def _spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "") -> str:
         """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
 
         Raises:
@@ -164,7 +181,7 @@ class Controller:
         specs = proc_specs(
             name, extent, [host.name], controller=self.address, heartbeat_interval_s=config.heartbeat_interval_s,
             run_id=self.channel.shm_run_id or "", master_port=store.port,
-            visibility=lambda local_rank: device.visibility_env(local_rank, inventory),
+            visibility=lambda local_rank: device.visibility_env(local_rank, inventory), python=python,
         )
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
         with self._lock:
@@ -184,33 +201,45 @@ class Controller:
                     raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
         return name
 
-    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
-        """Construct ``cls(*args, **kwargs)`` on ``ranks`` of proc mesh ``mesh``; block until built.
+    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
+                     spawn_extent: Extent | None = None) -> str:
+        """Start constructing ``cls(*args, **kwargs)`` on ``ranks`` of proc mesh ``mesh`` (or on the
+        client's own proc); return the actor mesh's id at once. The calling actor (or the client)
+        owns it. See :class:`~monarch_nb.runtime.actor_meshes.ActorMeshes`.
 
         Raises:
-            ValueError: an actor mesh called ``name`` already lives on that proc mesh.
-            ActorError: a constructor raised on some rank.
             MeshStoppedError: the proc mesh was stopped.
         """
-        record = self._mesh(mesh)
-        if any(a.name == name for a in record.actors):
-            raise ValueError(f"an actor mesh named {name!r} already lives on proc mesh {mesh!r}; pick another name")
-        body, buffers = dumps((cls, args, kwargs, record.extent, ranks))
-        spawn = ActorSpawn(name, cls, body, buffers, ranks)
-        record.actors.append(spawn)
-        targets = [self._target(mesh, r) for r in ranks]
-        future = self._send_spawn(targets, spawn, record.extent)
-        try:
-            future.get()
-        except BaseException:
-            record.actors.remove(spawn)
-            raise
+        inst = current_context().actor_instance
+        extent = spawn_extent if spawn_extent is not None else Extent({"gpus": len(ranks)}) if len(ranks) > 1 else Extent({})
+        return self.actor_meshes.spawn(mesh, ranks, name, cls, args, kwargs, extent, _caller_owner(), inst)
+
+    def actor_initialized(self, actor_id: str) -> Future:
+        return self.actor_meshes.initialized(actor_id)
+
+    def stop_actors(self, actor_id: str) -> None:
+        self.actor_meshes.stop(actor_id)
+
+    def get_or_spawn_controller(self, name: str, cls: type, args: tuple, kwargs: dict) -> Future:
+        return self.actor_meshes.get_or_spawn_controller(name, cls, args, kwargs)
+
+    def set_log_level(self, mesh: str, level: int) -> None:
+        for rec in self.mesh_records(mesh):
+            if rec.alive:
+                self.channel.send(rec.identity, {"kind": Kind.LOG_LEVEL, "level": int(level)})
+
+    def open_port(self, receiver: Any) -> tuple[str, str]:
+        return self.messenger.open_port(receiver)
+
+    def send_to_port(self, owner: str, port_id: str, ok: bool, value: Any, rank: int | None) -> None:
+        self.messenger.send_to_port(owner, port_id, ok, value, rank)
 
     def stop_procs(self, mesh: str, timeout_s: float | None = None) -> None:
         """Stop the procs of ``mesh``: ask nicely, SIGKILL after ``stop_timeout_s``. Idempotent."""
         record = self.meshes.get(mesh)
         if record is None or record.stopped:
             return
+        self.actor_meshes.before_stop_procs(mesh)
         record.stopped = True
         records = [self.procs[i] for i in record.procs]
         for rec in records:
@@ -226,7 +255,8 @@ class Controller:
         deadline = time.monotonic() + 5.0
         while any(r.alive for r in records) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.messenger.fail_all(lambda t: SupervisionError(t.rank, "stopped", "the proc mesh was stopped"))
+        self.messenger.fail_calls_to({r.identity for r in records},
+                                     lambda t: SupervisionError(t.rank, "stopped", "actor mesh is stopped due to proc mesh shutdown"))
         store = self._stores.pop(mesh, None)
         if store is not None:
             self.channel.remove_reader(store.fd)
@@ -434,7 +464,10 @@ class Controller:
     # -- incoming messages (IO thread) ---------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
         if header["dst"] != CONTROLLER:
-            self.channel.forward(header["dst"], frames)
+            if header["dst"] == LOCAL_PROC:  # an actor hosted in this process
+                self.local_host.dispatch(header, body, buffers)
+            else:
+                self.channel.forward(header["dst"], frames)
             return
         handler = self._handlers.get(header["kind"])
         if handler is None:
@@ -478,6 +511,53 @@ class Controller:
             record.state = ProcState.HEALTHY
             record.ready.set()
 
+    # -- actors' requests (the client's own proc, and control requests from procs) ------------------
+    def _from_local_host(self, header: dict, body: bytes) -> None:
+        """A message the client's own proc sends "to the controller": handled here, no socket."""
+        header.update(src=LOCAL_PROC, dst=CONTROLLER)
+        if header["kind"] == Kind.ACTOR_FAILED:
+            self.actor_meshes.on_actor_failed(header, body, [])
+
+    def _on_control(self, header: dict, body: Any, buffers: list) -> None:
+        """A request an actor made of the runtime (IO thread): run it on a thread of its own."""
+        threading.Thread(target=self._control, args=(header, body, buffers), name="monarch_nb-control", daemon=True).start()
+
+    def _control(self, header: dict, body: Any, buffers: list) -> None:
+        try:
+            payload = loads(body, buffers)
+            owner = tuple(payload["owner"]) if payload.get("owner") else None
+            value = self._control_op(header["op"], payload, owner)
+            ok = True
+        except BaseException as exc:  # noqa: BLE001 - the asking actor gets the error
+            ok, value = False, error_info(exc)
+        try:
+            reply_body, reply_buffers = dumps(value)
+        except SerializationError as exc:
+            ok, (reply_body, reply_buffers) = False, dumps(error_info(exc))
+        self.channel.send(header["reply_to"], {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok},
+                          reply_body, reply_buffers)
+
+    def _control_op(self, op: str, payload: dict, owner: tuple | None) -> Any:
+        meshes = self.actor_meshes
+        if op == "spawn_procs":
+            name = self._spawn_procs(payload["hosts"], payload["extent"], payload["name"], payload.get("python", ""))
+            meshes.own_procs(owner, name)
+            return name
+        if op == "spawn_actors":
+            return meshes.spawn(payload["mesh"], payload["ranks"], payload["name"], payload["cls"], payload["args"],
+                                payload["kwargs"], payload["spawn_extent"], owner, payload.get("creator"))
+        if op == "initialized":
+            return meshes.initialized(payload["actor"]).get()
+        if op == "stop_actors":
+            return meshes.stop(payload["actor"])
+        if op == "stop_procs":
+            return self.stop_procs(payload["mesh"])
+        if op == "get_or_spawn_controller":
+            return meshes.get_or_spawn_controller(payload["name"], payload["cls"], payload["args"], payload["kwargs"]).get()
+        if op == "set_log_level":
+            return self.set_log_level(payload["mesh"], payload["level"])
+        raise ValueError(f"unknown control request {op!r}")
+
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop every mesh and host agent, close the socket, remove the run folder. Runs at
@@ -494,6 +574,8 @@ class Controller:
         for name, agent in self._agents.items():
             agent.wait(3.0)
             self.hosts[name].state = ProcState.STOPPED
+        self.local_host.stop_all(timeout_s=2.0)
+        self.actor_meshes.close()
         self._closed = True
         self.supervisor.close()
         self.channel.close()
@@ -501,6 +583,12 @@ class Controller:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if backend.existing() is self:
             backend.install(None)
+
+
+def _caller_owner() -> tuple | None:
+    """The owner of what the calling code spawns: the client-hosted actor running it, or the client."""
+    inst = current_context().actor_instance
+    return (LOCAL_PROC, inst.mesh_id) if inst.class_name else None
 
 
 def sweep_stale_run_dirs() -> int:

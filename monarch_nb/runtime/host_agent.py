@@ -76,7 +76,7 @@ class HostAgent:
         env["PYTHONUNBUFFERED"] = "1"
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "monarch_nb.proc_main", spec["identity"]],
+                [spec.get("python") or sys.executable, "-m", "monarch_nb.proc_main", spec["identity"]],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -76,6 +76,7 @@ def proc_specs(
     run_id: str,
     master_port: int,
     visibility: Callable[[int], dict],
+    python: str = "",
 ) -> list[dict]:
     """The start specs of every proc of mesh ``mesh``, in rank order.
 
@@ -88,6 +89,8 @@ def proc_specs(
         run_id: the shared-memory run id ("" for none).
         master_port: the mesh's rendezvous store port (``MASTER_PORT``; ``MASTER_ADDR`` is 127.0.0.1).
         visibility: ``visibility(local_rank) -> dict`` of device-visibility variables.
+        python: the interpreter to start the procs with ("" for this one); their actors' own
+            ``this_host().spawn_procs()`` use it too (``MONARCH_NB_PYTHON``).
 
     Returns:
         One dict per proc: ``{"identity", "rank", "host", "env" (ProcEnv as JSON),
@@ -112,7 +115,8 @@ def proc_specs(
             heartbeat_interval_s=heartbeat_interval_s,
             run_id=run_id,
             sys_path=[p for p in sys.path if p],
-            extra={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), **visibility(local_rank)},
+            extra={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), **visibility(local_rank),
+                   **({"MONARCH_NB_PYTHON": python} if python else {})},
         )
         specs.append({
             "identity": proc_identity(mesh, point.rank),
@@ -121,5 +125,6 @@ def proc_specs(
             "env": env.to_json(),
             "base_env": base_env,
             "cwd": os.getcwd(),
+            **({"python": python} if python else {}),
         })
     return specs
