@@ -100,6 +100,7 @@ class ActorRunner:
         self.current: tuple[str, float] | None = None
         self.failed: dict | None = None
         self.stopped = False
+        self.abandoned = False  # stopped while its constructor ran: stop once it returns
         self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aqueue: asyncio.Queue | None = None
@@ -157,6 +158,8 @@ class ActorRunner:
             if kind == "spawn":
                 self._construct(header, body, buffers)
                 self.host.reply(header, True, None)
+                if self.abandoned:
+                    self.stop(None)
                 return
             fn, args, kwargs, prop = self._prepare(header, body, buffers)
             if prop is not None and prop.explicit_response_port:
@@ -223,6 +226,8 @@ class ActorRunner:
             try:
                 self._construct(header, body, buffers)
                 self.host.reply(header, True, None)
+                if self.abandoned:
+                    self.stop(None)
             except BaseException as exc:  # noqa: BLE001
                 self._on_error(kind, header, exc)
             finally:
@@ -309,7 +314,7 @@ class ActorRunner:
     # -- shared ---------------------------------------------------------------------------------
     def _refused(self, header: dict) -> bool:
         """A failed or stopped actor answers every message with SupervisionError."""
-        if self.failed is None and not self.stopped:
+        if self.failed is None and not self.stopped and not self.abandoned:
             return False
         self.host.reply_failure(header, self.failed or self.host.stopped_info(self.name))
         return True
@@ -521,8 +526,8 @@ class ActorHost:
             self.reply(header, True, None)
             return
         if runner.current is not None and runner.current[0] == "__init__" and runner.instance is None:
-            runner.stopped = True  # its constructor never returns: abandon the thread
-            self.stopped(runner, header)
+            runner.abandoned = True  # its constructor may never return: answer now, stop when it does
+            self.reply(header, True, None)
             return
         runner.stop(header)
 
