@@ -82,16 +82,18 @@ def _kernel():
     return getattr(app, "kernel", None)
 
 
+_last_cell: dict = {}  # the parent header of the notebook cell that last spawned or called
+
+
 def _print_in_last_cell(text: str) -> bool:
-    """Print ``text`` to stderr as output of the cell that ran last; False if not in a kernel."""
-    kernel = _kernel()
-    if kernel is None:
+    """Print ``text`` to stderr as output of the cell that last used the actor API (the one that
+    caused the failure, as a rule); False if not in a kernel."""
+    if _kernel() is None:
         return False
     try:
-        parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else kernel._parent_header
         stream = sys.stderr
-        if hasattr(stream, "set_parent") and parent:
-            stream.set_parent(parent)
+        if hasattr(stream, "set_parent") and _last_cell:
+            stream.set_parent(_last_cell)
         stream.write(text)
         stream.flush()
     except Exception:  # noqa: BLE001 - printing must not fail delivery
@@ -111,11 +113,21 @@ _loops: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
 
 
 def note_client_loop() -> None:
-    """Remember the asyncio loop running on this thread (a client coroutine spawned something), so
-    that state a fault hook changes from another thread (an ``asyncio.Event``) is seen at once."""
+    """Called where client code spawns or sends: remember the asyncio loop running on this thread,
+    so that state a fault hook changes from another thread (an ``asyncio.Event``) is seen at once,
+    and, in a notebook, the cell running now, where a failure it causes is printed."""
     loop = asyncio._get_running_loop()
     if loop is not None:
         _loops.add(loop)
+    kernel = _kernel()
+    if kernel is not None:
+        try:
+            parent = kernel.get_parent("shell")
+        except Exception:  # noqa: BLE001 - an older or newer ipykernel: print in the current cell
+            parent = None
+        if parent:
+            _last_cell.clear()
+            _last_cell.update(parent)
 
 
 def deliver_unhandled(failure: MeshFailure) -> None:

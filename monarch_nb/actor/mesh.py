@@ -233,6 +233,7 @@ class ProcMesh(MeshBase):
             ValueError: bad kind or params, or a rank outside the mesh.
             RuntimeError: the proc is not alive (already dead, stopped or restarting).
         """
+        note_client_loop()
         backend.current().inject(self._name, rank, kind, params)
 
     def restart(self, rank: int, timeout_s: float = 30.0) -> None:
@@ -325,6 +326,7 @@ class ActorMesh(MeshBase, Generic[A]):
         self._shape = shape
         self._spawn = spawn_shape or shape
         self._endpoints = endpoints_of(cls)
+        self._target_list: list[Target] | None = None
         self._sliced = not (self._shape.ranks == self._spawn.ranks and dict(self._shape.extent) == dict(self._spawn.extent))
 
     def _with_shape(self, shape: Shape) -> "ActorMesh[A]":
@@ -373,9 +375,12 @@ class ActorMesh(MeshBase, Generic[A]):
         return Future.completed(None)
 
     def _targets(self) -> list[Target]:
-        return [
-            Target(proc_identity(self._proc_mesh, g), g, dict(self._root.point(g))) for g in self._shape.ranks
-        ]
+        targets = self._target_list
+        if targets is None:
+            targets = self._target_list = [
+                Target(proc_identity(self._proc_mesh, g), g, dict(self._root.point(g))) for g in self._shape.ranks
+            ]
+        return targets
 
     def _live_indices(self) -> list[int]:
         runtime = backend.current()
@@ -397,8 +402,7 @@ class ActorMesh(MeshBase, Generic[A]):
         message = None
         if self._sliced:
             message = (self._shape.extent, list(range(len(everyone))) if targets is None else list(targets))
-        if not want_reply and port is None:
-            note_client_loop()
+        note_client_loop()
         return runtime.send(
             chosen, self._id, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply,
             stream=stream, port=port, message_extent=message, as_endpoint=as_endpoint,

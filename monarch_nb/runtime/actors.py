@@ -108,6 +108,7 @@ class ActorRunner:
         self._current_task: asyncio.Task | None = None
         self._current_header: dict | None = None
         self._loop_ready = threading.Event()
+        self._own_context: Context | None = None
         self.thread = threading.Thread(target=self._run_async if asynchronous else self._run_sync,
                                        name=f"actor-{name}", daemon=True)
         self.thread.start()
@@ -256,7 +257,7 @@ class ActorRunner:
             self._current_header = None
 
     async def _run_one(self, kind: str, header: dict, fn: Callable, args: tuple, kwargs: dict, prop: Any) -> None:
-        set_context(self._context(header))
+        set_context(self._context(header) if "mx" in header else self._own_context)
         try:
             if prop is not None and prop.explicit_response_port:
                 port = ResponsePort(self.host, header if self._wants_reply(header) else None, self._message_rank(header).rank)
@@ -329,9 +330,11 @@ class ActorRunner:
         )
         self.instance_ctx._abort = self.abort
         self.endpoints = endpoints_of(cls)
-        set_context(Context(self.instance_ctx, point))
-        self.instance = cls.__new__(cls)
-        self.instance.__init__(*args, **kwargs)
+        self._own_context = Context(self.instance_ctx, point)
+        set_context(self._own_context)
+        instance = cls.__new__(cls)
+        instance.__init__(*args, **kwargs)
+        self.instance = instance  # only a constructed actor is cleaned up
 
     def _context(self, header: dict | None) -> Context:
         assert self.instance_ctx is not None
@@ -355,13 +358,12 @@ class ActorRunner:
                 raise UnknownEndpointError(
                     f"{type(self.instance).__name__} has no endpoint {endpoint!r}; its endpoints are {sorted(self.endpoints)}")
             fn = plain.__get__(self.instance)
-        else:
-            prop.check_arguments(type(self.instance).__name__, args, kwargs)
+        else:  # the arguments were checked against the signature by the caller
             fn = prop.fn.__get__(self.instance)
         for hook in self.host.call_hooks:
             hook.before_call(self.name, endpoint)
         if not self.asynchronous:
-            set_context(self._context(header))
+            set_context(self._context(header) if "mx" in header else self._own_context)
         return fn, args, kwargs, prop
 
     def _after(self, header: dict, result: Any) -> Any:
@@ -557,11 +559,11 @@ class ActorHost:
             return
         if "cid" not in header and "port" not in header:
             return
-        header["_done"] = True
         try:
             body, buffers = dumps(value)
-        except SerializationError as exc:
+        except BaseException as exc:  # noqa: BLE001 - whatever pickling raises, the caller gets an answer
             ok, (body, buffers) = False, dumps(error_info(exc, f"the result of {header.get('ep')} cannot be pickled"))
+        header["_done"] = True
         if "port" in header:
             owner, port_id = header["port"]
             rank = header.get("mi", header.get("rank"))

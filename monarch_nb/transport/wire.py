@@ -36,6 +36,8 @@ __all__ = ["route_id", "BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode",
 
 MAGIC = b"MNB1"
 _DIGEST = hashlib.sha256
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
+_decode_json = json.JSONDecoder().decode
 
 
 def route_id(identity: str) -> str:
@@ -55,6 +57,7 @@ class Signer:
             raise ValueError("cluster key must be at least 16 bytes; use secrets.token_bytes(32)")
         self._key = key
         self.sign_buffers = sign_buffers
+        self._base = hmac.new(key, MAGIC, _DIGEST)  # keyed once; each message copies it
 
     @property
     def key(self) -> bytes:
@@ -62,7 +65,7 @@ class Signer:
         return self._key
 
     def signature(self, header: bytes, body: bytes | memoryview, buffers: Sequence[Any] = ()) -> bytes:
-        mac = hmac.new(self._key, MAGIC, _DIGEST)
+        mac = self._base.copy()
         mac.update(header)
         mac.update(body)
         if self.sign_buffers:
@@ -80,7 +83,7 @@ _PREFIX = len(MAGIC) + 1 + _SIG_BYTES + 4
 def encode(signer: Signer, header: dict, body: bytes = b"", buffers: Sequence[Any] = ()) -> list:
     """Return the frames of one message. ``header`` must hold kind, src, dst and seq."""
     header["nbuf"] = [memoryview(b).nbytes for b in buffers]
-    raw_header = json.dumps(header, separators=(",", ":")).encode()
+    raw_header = _encode_json(header).encode()
     signature = signer.signature(raw_header, body, buffers)
     head = b"".join((MAGIC, b"I" if len(body) <= INLINE_BODY_MAX else b"S", signature, len(raw_header).to_bytes(4, "big"), raw_header))
     if len(body) <= INLINE_BODY_MAX:
@@ -122,7 +125,7 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[dict, Any, list]:
     if not hmac.compare_digest(signature, expected):
         raise BadMessage("bad signature (unsigned, forged, or signed with another cluster key)")
     try:
-        header = json.loads(raw_header)
+        header = _decode_json(raw_header.decode())
     except ValueError as exc:
         raise BadMessage(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict) or not all(k in header for k in ("kind", "src", "dst", "seq", "nbuf")):
