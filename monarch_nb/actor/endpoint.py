@@ -100,8 +100,17 @@ class EndpointProperty(Generic[P, R]):
         """Leading parameters the runtime fills: self, and the port of an explicit-port endpoint."""
         return 2 if self.explicit_response_port else 1
 
+    @functools.cached_property
+    def _takes_nothing_more(self) -> bool:
+        """No parameter beyond the fixed ones is required: a call with no arguments fits."""
+        params = list(self.signature.parameters.values())[self._fixed:]
+        return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and \
+            len(self.signature.parameters) >= self._fixed
+
     def check_arguments(self, owner: str, args: tuple, kwargs: dict) -> None:
         """Raise TypeError naming the endpoint if ``(args, kwargs)`` do not fit its signature."""
+        if not args and not kwargs and self._takes_nothing_more:
+            return
         try:
             self.signature.bind(*((None,) * self._fixed), *args, **kwargs)
         except TypeError as exc:

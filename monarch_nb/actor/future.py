@@ -25,13 +25,17 @@ class Future(Generic[R]):
         inner: the ``concurrent.futures.Future`` the runtime completes.
         on_cancel: called with no arguments by :meth:`cancel`, so the runtime forgets the call
             (a late reply is then dropped).
+        lead: ``lead(done, timeout)``: the runtime's way to receive on the waiting thread itself
+            (so the reply wakes the thread that waits for it); True once ``done()`` holds.
     """
 
-    __slots__ = ("_inner", "_on_cancel")
+    __slots__ = ("_inner", "_on_cancel", "_lead")
 
-    def __init__(self, inner: concurrent.futures.Future | None = None, on_cancel: Callable[[], None] | None = None):
+    def __init__(self, inner: concurrent.futures.Future | None = None, on_cancel: Callable[[], None] | None = None,
+                 lead: Callable[..., bool] | None = None):
         self._inner = inner if inner is not None else concurrent.futures.Future()
         self._on_cancel = on_cancel
+        self._lead = lead
 
     @classmethod
     def completed(cls, value: Any = None, error: BaseException | None = None) -> "Future":
@@ -55,8 +59,14 @@ class Future(Generic[R]):
             SupervisionError: the actor, or a proc holding it, failed.
             concurrent.futures.CancelledError: the call was cancelled.
         """
+        inner = self._inner
+        wait = timeout
+        if self._lead is not None and not inner.done():
+            self._lead(inner.done, timeout)
+            if not inner.done() and timeout is not None:
+                wait = 0  # the wait already took its time
         try:
-            return self._inner.result(timeout)
+            return inner.result(wait)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"no reply within {timeout} s; the call is still pending "
                                "(get it again, or cancel() it); the mesh is still usable") from None

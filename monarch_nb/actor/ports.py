@@ -104,6 +104,7 @@ class PortReceiver(Generic[R]):
         self._holders: set[str] = set()
         self._orphaned: SupervisionError | None = None
         self.port_id = ""
+        self._lead = None  # the runtime's lead(): a recv() waits by receiving on its own thread
 
     def recv(self) -> "Future[R]":
         """A Future of the next value (raises what ``port.exception`` sent, or SupervisionError
@@ -113,7 +114,7 @@ class PortReceiver(Generic[R]):
                 return self._finish(Future(), *self._items.popleft())
             if self._orphaned is not None:
                 return Future.completed(error=self._orphaned)
-            fut: Future = Future()
+            fut: Future = Future(lead=self._lead)
             self._waiters.append(fut)
             return fut
 

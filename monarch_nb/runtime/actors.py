@@ -54,6 +54,10 @@ def error_info(exc: BaseException, message: str | None = None) -> dict:
     return info
 
 
+def _not_empty(mailbox: queue.SimpleQueue) -> Callable[[], bool]:
+    return lambda: not mailbox.empty()
+
+
 class ResponsePort(Port):
     """The reply port of one call, handed to an ``explicit_response_port`` endpoint."""
 
@@ -108,6 +112,7 @@ class ActorRunner:
         self._current_task: asyncio.Task | None = None
         self._current_header: dict | None = None
         self._loop_ready = threading.Event()
+        self._leading = False
         self._own_context: Context | None = None
         self.thread = threading.Thread(target=self._run_async if asynchronous else self._run_sync,
                                        name=f"actor-{name}", daemon=True)
@@ -124,6 +129,8 @@ class ActorRunner:
                 self.host.refuse(item)
         else:
             self.mailbox.put(item)
+            if self._leading and threading.get_ident() != self.thread.ident:
+                self.host.wake()  # it is receiving on its own thread: look at the mailbox
 
     def supervise(self, failure: MeshFailure) -> None:
         """Run ``__supervise__(failure)`` (async actors: at once, even while an endpoint awaits)."""
@@ -133,12 +140,32 @@ class ActorRunner:
             except RuntimeError:
                 pass
         else:
-            self.mailbox.put(("supervise", None, failure, None))
+            self.post(("supervise", None, failure, None))
 
     # -- sync actors ----------------------------------------------------------------------------
+    def _next_item(self) -> tuple:
+        """The next message: while none is queued, receive on this thread (no hand-off from the
+        IO thread) if it may lead; else wait for one to be dispatched here."""
+        mailbox = self.mailbox
+        lead = self.host.lead
+        while True:
+            try:
+                return mailbox.get_nowait()
+            except queue.Empty:
+                pass
+            if lead is None:
+                return mailbox.get()
+            self._leading = True
+            try:
+                led = lead(_not_empty(mailbox), None, False)
+            finally:
+                self._leading = False
+            if not led:
+                return mailbox.get()
+
     def _run_sync(self) -> None:
         while True:
-            kind, header, body, buffers = self.mailbox.get()
+            kind, header, body, buffers = self._next_item()
             if kind == "stop":
                 self._stop_sync(header)
                 return
@@ -479,7 +506,8 @@ class ActorHost:
     """
 
     def __init__(self, identity: str, mesh_name: str, rank: int, extent: Extent, send: Callable,
-                 messenger: "Messenger", to_controller: Callable[[dict, bytes], None], python: str = ""):
+                 messenger: "Messenger", to_controller: Callable[[dict, bytes], None], python: str = "",
+                 lead: Callable[..., bool] | None = None, wake: Callable[[], None] | None = None):
         self.identity = identity
         self.mesh_name = mesh_name
         self.rank = rank
@@ -487,6 +515,8 @@ class ActorHost:
         self.python = python
         self._send = send
         self.messenger = messenger
+        self.lead = lead  # the channel's lead(): idle sync actors receive on their own thread
+        self.wake = wake or (lambda: None)
         self._to_controller = to_controller
         self.runners: dict[str, ActorRunner] = {}
         self.call_hooks: list = []

@@ -180,10 +180,10 @@ class Messenger:
         cid = f"{self.identity}:{next(self._ids)}"
         streams = None
         if stream:
-            streams = [Future(on_cancel=lambda: self._forget(cid)) for _ in targets]
+            streams = [Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead) for _ in targets]
             future = None
         else:
-            future = Future(on_cancel=lambda: self._forget(cid))
+            future = Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead)
         pending = _PendingCall(list(targets), header["actor"], header["ep"], extent, future, streams)
         header["cid"] = cid
         header["reply_to"] = self.identity
@@ -276,6 +276,7 @@ class Messenger:
         """Register ``receiver``; return (this process's routing identity, the port's id)."""
         port_id = f"p{next(self._port_ids)}"
         self._ports[port_id] = receiver
+        receiver._lead = self.channel.lead
         return self.route, port_id
 
     def send_to_port(self, owner: str, port_id: str, ok: bool, value: Any, rank: int | None) -> None:

@@ -106,7 +106,8 @@ class Proc:
         )
         self.messenger = Messenger(self.channel)
         self.host = ActorHost(identity, self.mesh_name, self.rank, self.extent, self.channel.send, self.messenger,
-                              self.send_to_controller, python=env.extra.get("MONARCH_NB_PYTHON", "") or os.environ.get("MONARCH_NB_PYTHON", ""))
+                              self.send_to_controller, python=os.environ.get("MONARCH_NB_PYTHON", ""),
+                              lead=self.channel.lead, wake=self.channel.wake)
         self.messenger.local[identity] = self.host.dispatch  # an actor calling an actor of this proc
         self.identity_route = route_id(identity)
         self._heartbeat_fields: list[Callable[[], dict]] = []
