@@ -129,9 +129,11 @@ def _startup(python: str, module: str, runs: int, env_extra: dict | None = None)
 #: One Monarch-API script, run as written on monarch_nb (``monarch_nb.actor``) and on torchmonarch
 #: (``monarch.actor``), each in its own fresh process: the same workload, the same code.
 ACTOR_SCRIPT = """
-import json, statistics, sys, time
+import importlib, json, statistics, sys, time
 import torch
-from MODULE import Actor, Channel, Port, endpoint, this_host
+api = importlib.import_module("MODULE")
+Actor, endpoint, this_host = api.Actor, api.endpoint, api.this_host
+Channel = getattr(api, "Channel", None)  # an older monarch_nb had no ports
 
 CALLS = int(sys.argv[1])
 QUICK = sys.argv[2] == "1"
@@ -207,7 +209,7 @@ for _ in range(3):
 out["broadcast_e2e"] = {"broadcasts": 2000, "actors": 4, "broadcasts_per_s": statistics.median(rates)}
 # 10,000 values through one port, from an endpoint to this client
 rates = []
-for _ in range(1 if QUICK else 3):
+for _ in range(0 if Channel is None else 1 if QUICK else 3):
     port, receiver = Channel.open()
     n = 10000
     t0 = time.perf_counter()
@@ -215,7 +217,8 @@ for _ in range(1 if QUICK else 3):
     for i in range(n):
         assert receiver.recv().get() == i
     rates.append(n / (time.perf_counter() - t0))
-out["port_stream"] = {"values": 10000, "values_per_s": statistics.median(rates)}
+if rates:
+    out["port_stream"] = {"values": 10000, "values_per_s": statistics.median(rates)}
 for label, nbytes, reps in (("tensor_1MiB", 1 << 20, 50 if QUICK else 200), ("tensor_64MiB", 64 << 20, 5 if QUICK else 20)):
     t = torch.ones(nbytes // 4)
     one.echo.call_one(t).get()
@@ -225,7 +228,9 @@ for label, nbytes, reps in (("tensor_1MiB", 1 << 20, 50 if QUICK else 200), ("te
     assert back.numel() == t.numel()
     st = summarize(s); st["gb_per_s"] = nbytes / (st["median_us"] / 1e6) / 1e9
     out[label] = st
-procs.stop().get()
+stopping = procs.stop()
+if stopping is not None:
+    stopping.get()
 print(json.dumps(out))
 """
 
@@ -367,6 +372,21 @@ def _fmt(value, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+_ROW_KEYS = {
+    "call_one median (us)": ("call_one", "median_us"), "call_one p95 (us)": ("call_one", "p95_us"),
+    "call to 4 median (us)": ("call_4", "median_us"), "call to 4 p95 (us)": ("call_4", "p95_us"),
+    "1 MiB tensor round trip (GB/s)": ("tensor_1MiB", "gb_per_s"), "64 MiB tensor round trip (GB/s)": ("tensor_64MiB", "gb_per_s"),
+    "2,000 broadcasts to 4, end to end (/s)": ("broadcast_e2e", "broadcasts_per_s"),
+    "actor -> actor call_one median (us)": ("actor_to_actor", "median_us"),
+    "10,000 values through a port (/s)": ("port_stream", "values_per_s"),
+}
+
+
+def _base_value(base: dict, label: str):
+    key = _ROW_KEYS.get(label)
+    return (base.get(key[0]) or {}).get(key[1]) if key else None
+
+
 def print_table(results: dict) -> None:
     ours = results["monarch_nb"]
     peers = results["peers"]
@@ -392,8 +412,11 @@ def print_table(results: dict) -> None:
         ("10,000 values through a port (/s)", None, get(ours, "port_stream", "values_per_s"), get(tm, "port_stream", "values_per_s"), None),
         ("spawn 4 procs -> first reply (s)", None, get(results, "startup", "median_s"), get(tm, "startup", "median_s"), get(ipp, "startup", "median_s")),
     ]
-    header = ("metric", "raw pyzmq", "monarch_nb", "torchmonarch", "ipyparallel")
-    widths = [40, 14, 14, 14, 14]
+    base = results.get("baseline")
+    if base is not None:
+        rows = [(r[0], r[1], _base_value(base, r[0]), *r[2:]) for r in rows]
+    header = ("metric", "raw pyzmq") + (("baseline",) if base is not None else ()) + ("monarch_nb", "torchmonarch", "ipyparallel")
+    widths = [40, 14] + ([14] if base is not None else []) + [14, 14, 14]
     load = results.get("loadavg_before") or (0, 0, 0)
     print(f"\nactor latency — {os.cpu_count()} cores, {results['calls']} calls per latency row, "
           f"load average {load[0]:.2f} before, {(results.get('loadavg_after') or (0,))[0]:.2f} after")
@@ -417,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per latency measurement (default 2000)")
     parser.add_argument("--with-peers", action="store_true", help="create bench/.peers-venv if needed and measure torchmonarch and ipyparallel")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
+    parser.add_argument("--baseline", type=Path, help="another monarch_nb checkout (e.g. the commit before a change), measured in the same run")
     parser.add_argument("--actors-only", action="store_true", help="only the actor rows (no memory, start-up or ipyparallel)")
     parser.add_argument("--json", type=Path, default=RESULTS / "actor_latency.json", help="where to write the results")
     args = parser.parse_args(argv)
@@ -427,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.actors_only:
         results["startup"] = _startup(sys.executable, "monarch_nb", 1 if args.quick else 3, {"PYTHONPATH": str(ROOT)})
     results["monarch_nb"] = bench_monarch_nb(args.calls, args.quick)
+    if args.baseline is not None:
+        results["baseline"] = run_actor_script(sys.executable, "monarch_nb", args.calls, args.quick,
+                                               {"PYTHONPATH": str(args.baseline.resolve())}) or {}
     if not args.actors_only:
         results["memory"] = bench_memory(args.quick)
     results["peers"] = (bench_peers(args.calls, args.quick, skip_ipyparallel=args.actors_only) if _peers.peer_python()
