@@ -14,15 +14,11 @@ from monarch_nb.actor import (
     get_or_spawn_controller, this_host, this_proc,
 )
 
+from . import actors
 
-class Counter(Actor):
-    def __init__(self, start: int = 0):
-        self.value = start
 
-    @endpoint
-    def incr(self, by: int = 1) -> int:
-        self.value += by
-        return self.value
+class Counter(actors.Counter):
+    """tests.actors.Counter, with what these tests ask of it."""
 
     @endpoint
     def get(self) -> int:

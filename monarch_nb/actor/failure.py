@@ -101,9 +101,21 @@ def _print_in_last_cell(text: str) -> bool:
     return True
 
 
+_last_printed: list = [None, 0.0]  # (mesh, reason) of the failure printed last, and when
+
+
 def default_unhandled_fault_hook(failure: MeshFailure) -> None:
-    """Print the failure (in the notebook cell that ran last, or to stderr) and go on."""
-    text = f"monarch_nb: unhandled failure of {failure.mesh_name} (ranks {failure.crashed_ranks}):\n{failure.report()}\n"
+    """Print the failure (in the notebook cell that used the actor API last, or to stderr) and go
+    on. The same failure on further ranks of the mesh, right after, is one line each."""
+    import time
+
+    key = (failure.mesh_name, failure.reason)
+    now = time.monotonic()
+    if _last_printed[0] == key and now - _last_printed[1] < 5.0:
+        text = f"monarch_nb: {failure.mesh_name} failed the same way on rank(s) {failure.crashed_ranks}\n"
+    else:
+        text = f"monarch_nb: unhandled failure of {failure.mesh_name} (ranks {failure.crashed_ranks}):\n{failure.report()}\n"
+    _last_printed[:] = [key, now]
     if not _print_in_last_cell(text):
         sys.stderr.write(text)
         sys.stderr.flush()
