@@ -348,12 +348,24 @@ print(json.dumps(out))
 """
 
 
-def bench_peers(calls: int, quick: bool, skip_ipyparallel: bool = False) -> dict:
+def median_of_runs(runs: list[dict]) -> dict:
+    """Per figure, the median over runs (each run is run_actor_script's JSON)."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return {}
+    out: dict = {}
+    for key in runs[0]:
+        fields = {f for r in runs if isinstance(r.get(key), dict) for f in r[key]}
+        out[key] = {f: statistics.median([r[key][f] for r in runs if f in (r.get(key) or {})]) for f in fields}
+    return out
+
+
+def bench_peers(calls: int, quick: bool, skip_ipyparallel: bool = False, torchmonarch: dict | None = None) -> dict:
     out: dict = {"torchmonarch": None, "ipyparallel": None}
     python = _peers.peer_python()
     if python is None:
         return out
-    tm = run_actor_script(str(python), "monarch.actor", calls, quick)
+    tm = torchmonarch or run_actor_script(str(python), "monarch.actor", calls, quick)
     if tm is not None and not skip_ipyparallel:
         startup = _startup(str(python), "monarch.actor", 1 if quick else 3)
         tm["startup"] = startup
@@ -441,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-peers", action="store_true", help="create bench/.peers-venv if needed and measure torchmonarch and ipyparallel")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
     parser.add_argument("--baseline", type=Path, help="another monarch_nb checkout (e.g. the commit before a change), measured in the same run")
+    parser.add_argument("--repeat", type=int, default=1, help="run the actor script this many times per runtime, alternating "
+                        "runtimes, and report per-figure medians (a shared machine's load comes and goes)")
     parser.add_argument("--actors-only", action="store_true", help="only the actor rows (no memory, start-up or ipyparallel)")
     parser.add_argument("--json", type=Path, default=RESULTS / "actor_latency.json", help="where to write the results")
     args = parser.parse_args(argv)
@@ -450,13 +464,22 @@ def main(argv: list[str] | None = None) -> int:
     results["raw_zmq"] = bench_raw_zmq(args.calls)
     if not args.actors_only:
         results["startup"] = _startup(sys.executable, "monarch_nb", 1 if args.quick else 3, {"PYTHONPATH": str(ROOT)})
-    results["monarch_nb"] = bench_monarch_nb(args.calls, args.quick)
+    runs: dict[str, list] = {"monarch_nb": [], "baseline": [], "torchmonarch": []}
+    for _ in range(max(1, args.repeat)):  # alternate the runtimes, so each sees the same load
+        runs["monarch_nb"].append(bench_monarch_nb(args.calls, args.quick))
+        if args.baseline is not None:
+            runs["baseline"].append(run_actor_script(sys.executable, "monarch_nb", args.calls, args.quick,
+                                                     {"PYTHONPATH": str(args.baseline.resolve())}) or {})
+        if _peers.peer_python() is not None:
+            runs["torchmonarch"].append(run_actor_script(str(_peers.peer_python()), "monarch.actor", args.calls, args.quick) or {})
+    results["monarch_nb"] = median_of_runs(runs["monarch_nb"])
     if args.baseline is not None:
-        results["baseline"] = run_actor_script(sys.executable, "monarch_nb", args.calls, args.quick,
-                                               {"PYTHONPATH": str(args.baseline.resolve())}) or {}
+        results["baseline"] = median_of_runs(runs["baseline"])
+    results["runs"] = runs
     if not args.actors_only:
         results["memory"] = bench_memory(args.quick)
-    results["peers"] = (bench_peers(args.calls, args.quick, skip_ipyparallel=args.actors_only) if _peers.peer_python()
+    results["peers"] = (bench_peers(args.calls, args.quick, skip_ipyparallel=args.actors_only,
+                                    torchmonarch=median_of_runs(runs["torchmonarch"])) if _peers.peer_python()
                         else {"torchmonarch": None, "ipyparallel": None})
     results["loadavg_after"] = os.getloadavg()
     ours = results["monarch_nb"]

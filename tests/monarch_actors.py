@@ -74,6 +74,7 @@ class Sender(Actor):
     @endpoint
     def hold_then_die(self, port: Port) -> None:
         port.send("before")
+        threading.Event().wait(0.5)  # os._exit does not wait for queued messages to leave
         os._exit(9)
 
     @endpoint

@@ -2,7 +2,7 @@
 
     from monarch_nb.actor import Actor, endpoint, this_host, Channel, Port, MeshFailure
 
-This package is also the client-side actor model (Actor, endpoint, meshes, ValueMesh, Future,
+Names load on first use (``import monarch_nb`` stays fast). This package is also the client-side actor model (Actor, endpoint, meshes, ValueMesh, Future,
 ports, slicing); it reaches processes only through the
 :class:`~monarch_nb.actor.backend.Backend` Protocol that the runtime implements and installs.
 
@@ -17,17 +17,28 @@ May import: ``supervision``, ``transport``, ``config``, ``errors``. Never ``runt
 from __future__ import annotations
 
 import types as _types
+from typing import TYPE_CHECKING
 
-from ..errors import ActorError, SupervisionError
-from .context import Context, Instance, context, current_actor_name, current_rank, current_size, this_host, this_proc
-from .endpoint import Accumulator, Actor, Endpoint, as_endpoint, concurrent_endpoint, endpoint, send
-from .failure import MeshFailure, default_unhandled_fault_hook
-from .future import Future
-from .mesh import ActorMesh, HostMesh, ProcMesh
-from .ports import Channel, Port, PortReceiver, RankedPortReceiver
-from .shape import Extent, Point
-from .singletons import get_or_spawn_controller, shutdown_context
-from .value_mesh import ValueMesh
+from .._lazy import lazy_exports
+# two names are also submodules: load those first, then bind the package attribute to the function
+from .context import context
+from .endpoint import endpoint
+from .failure import default_unhandled_fault_hook
+
+_EXPORTS = {
+    **dict.fromkeys(["Accumulator", "Actor", "Endpoint", "as_endpoint", "concurrent_endpoint", "send"],
+                    "monarch_nb.actor.endpoint"),
+    **dict.fromkeys(["Context", "Instance", "current_actor_name", "current_rank", "current_size",
+                     "this_host", "this_proc"], "monarch_nb.actor.context"),
+    **dict.fromkeys(["ActorMesh", "HostMesh", "ProcMesh"], "monarch_nb.actor.mesh"),
+    **dict.fromkeys(["Channel", "Port", "PortReceiver", "RankedPortReceiver"], "monarch_nb.actor.ports"),
+    **dict.fromkeys(["Extent", "Point"], "monarch_nb.actor.shape"),
+    **dict.fromkeys(["get_or_spawn_controller", "shutdown_context"], "monarch_nb.actor.singletons"),
+    **dict.fromkeys(["ActorError", "SupervisionError"], "monarch_nb.errors"),
+    "Future": "monarch_nb.actor.future",
+    "MeshFailure": "monarch_nb.actor.failure",
+    "ValueMesh": "monarch_nb.actor.value_mesh",
+}
 
 #: Called with each MeshFailure that reached the client unhandled. Replace it by assignment.
 unhandled_fault_hook = default_unhandled_fault_hook
@@ -35,10 +46,18 @@ unhandled_fault_hook = default_unhandled_fault_hook
 #: Run-time switches, as Monarch's ``monarch.actor.config``.
 config = _types.SimpleNamespace(prefix_python_logs_with_actor=True)
 
-__all__ = [
-    "Accumulator", "Actor", "ActorError", "ActorMesh", "Channel", "Context", "Endpoint", "Extent", "Future",
-    "HostMesh", "Instance", "MeshFailure", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
-    "SupervisionError", "ValueMesh", "as_endpoint", "concurrent_endpoint", "config", "context",
-    "current_actor_name", "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "send",
-    "shutdown_context", "this_host", "this_proc", "unhandled_fault_hook",
-]
+__all__ = sorted([*_EXPORTS, "config", "context", "endpoint", "unhandled_fault_hook"])
+
+if TYPE_CHECKING:
+    from ..errors import ActorError, SupervisionError
+    from .context import Context, Instance, current_actor_name, current_rank, current_size, this_host, this_proc
+    from .endpoint import Accumulator, Actor, Endpoint, as_endpoint, concurrent_endpoint, send
+    from .failure import MeshFailure
+    from .future import Future
+    from .mesh import ActorMesh, HostMesh, ProcMesh
+    from .ports import Channel, Port, PortReceiver, RankedPortReceiver
+    from .shape import Extent, Point
+    from .singletons import get_or_spawn_controller, shutdown_context
+    from .value_mesh import ValueMesh
+
+__getattr__, __dir__ = lazy_exports("monarch_nb.actor", _EXPORTS, globals())

@@ -18,15 +18,15 @@ handlers run and the process exits 1, as Monarch's default does); in a kernel th
 from __future__ import annotations
 
 import _thread
-import asyncio
-import datetime
 import logging
 import os
-import socket
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["MeshFailure", "default_unhandled_fault_hook", "deliver_unhandled", "note_client_loop"]
 
@@ -121,14 +121,15 @@ def default_unhandled_fault_hook(failure: MeshFailure) -> None:
         sys.stderr.flush()
 
 
-_loops: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
+_loops: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()  # noqa: F821
 
 
 def note_client_loop() -> None:
     """Called where client code spawns or sends: remember the asyncio loop running on this thread,
     so that state a fault hook changes from another thread (an ``asyncio.Event``) is seen at once,
     and, in a notebook, the cell running now, where a failure it causes is printed."""
-    loop = asyncio._get_running_loop()
+    aio = sys.modules.get("asyncio")  # not imported: no loop can be running (keeps imports light)
+    loop = aio._get_running_loop() if aio is not None else None
     if loop is not None:
         _loops.add(loop)
     kernel = _kernel()
@@ -149,6 +150,9 @@ def deliver_unhandled(failure: MeshFailure) -> None:
     try:
         hook(failure)
     except BaseException as exc:  # noqa: BLE001 - the hook asked for the failure to be fatal
+        import datetime
+        import socket
+
         stamp = datetime.datetime.now().isoformat(timespec="seconds")
         text = (f"Unhandled monarch error on the root actor, hostname={socket.gethostname()}, PID={os.getpid()} "
                 f"at time {stamp}:\n{failure.report()}\n(the fault hook raised {type(exc).__name__}: {exc})\n")

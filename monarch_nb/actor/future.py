@@ -9,9 +9,11 @@ explicit act: :meth:`Future.cancel`.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-from typing import Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["Future"]
 
@@ -108,12 +110,14 @@ class Future(Generic[R]):
         """Call ``fn(self)`` when done (at once if done; else on the thread that completes it)."""
         self._inner.add_done_callback(lambda _inner: fn(self))
 
-    def as_asyncio(self) -> asyncio.Future:
+    def as_asyncio(self) -> "asyncio.Future":
         """An asyncio Future on the running loop that completes with this one."""
+        import asyncio  # only where awaited: `import monarch_nb` stays light
+
         return asyncio.wrap_future(self._inner)
 
     def __await__(self):
-        return asyncio.wrap_future(self._inner).__await__()
+        return self.as_asyncio().__await__()
 
     def __repr__(self) -> str:
         state = "cancelled" if self._inner.cancelled() else "done" if self.done() else "pending"

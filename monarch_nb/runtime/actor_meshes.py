@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..actor.backend import Target
-from ..actor.context import CLIENT_MESH, context
+from ..actor.context import CLIENT_MESH
 from ..actor.endpoint import is_async_actor
 from ..actor.failure import HookThread, MeshFailure
 from ..actor.future import Future
@@ -34,6 +34,7 @@ from ..errors import MeshStoppedError
 from ..supervision.events import Event
 from ..supervision.records import ActorSpawn, proc_identity
 from ..transport.serialization import SerializationError, dumps, loads
+from .actors import error_info
 from .protocol import Kind
 
 if TYPE_CHECKING:
@@ -171,6 +172,48 @@ class ActorMeshes:
                 mesh = ActorMesh(name, cls, CLIENT_MESH, Extent({}), Shape(Extent({}), [0]), actor_id=actor_id)
                 self.controllers[name] = mesh
             return Future.completed(mesh)
+
+    # -- requests from actors in procs (``control`` messages) --------------------------------------
+    def on_control(self, header: dict, body: Any, buffers: list) -> None:
+        """A request an actor made of the runtime (spawn, stop, ...): run it on a thread of its own
+        (it may block, e.g. until procs start), then answer the asking actor."""
+        threading.Thread(target=self._control, args=(header, body, buffers), name="monarch_nb-control", daemon=True).start()
+
+    def _control(self, header: dict, body: Any, buffers: list) -> None:
+        try:
+            payload = loads(body, buffers)
+            owner = tuple(payload["owner"]) if payload.get("owner") else None
+            value = self._control_op(header["op"], payload, owner)
+            ok = True
+        except BaseException as exc:  # noqa: BLE001 - the asking actor gets the error
+            ok, value = False, error_info(exc)
+        try:
+            reply_body, reply_buffers = dumps(value)
+        except SerializationError as exc:
+            ok, (reply_body, reply_buffers) = False, dumps(error_info(exc))
+        self.ctrl.channel.send(header["reply_to"], {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok},
+                               reply_body, reply_buffers)
+
+    def _control_op(self, op: str, payload: dict, owner: Owner | None) -> Any:
+        ctrl = self.ctrl
+        if op == "spawn_procs":
+            name = ctrl._spawn_procs(payload["hosts"], payload["extent"], payload["name"], payload.get("python", ""))
+            self.own_procs(owner, name)
+            return name
+        if op == "spawn_actors":
+            return self.spawn(payload["mesh"], payload["ranks"], payload["name"], payload["cls"], payload["args"],
+                              payload["kwargs"], payload["spawn_extent"], owner, payload.get("creator"))
+        if op == "initialized":
+            return self.initialized(payload["actor"]).get()
+        if op == "stop_actors":
+            return self.stop(payload["actor"])
+        if op == "stop_procs":
+            return ctrl.stop_procs(payload["mesh"])
+        if op == "get_or_spawn_controller":
+            return self.get_or_spawn_controller(payload["name"], payload["cls"], payload["args"], payload["kwargs"]).get()
+        if op == "set_log_level":
+            return ctrl.set_log_level(payload["mesh"], payload["level"])
+        raise ValueError(f"unknown control request {op!r}")
 
     # -- failures --------------------------------------------------------------------------------
     def on_actor_failed(self, header: dict, body: Any, buffers: list) -> None:

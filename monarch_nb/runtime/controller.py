@@ -39,10 +39,9 @@ from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRe
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
-from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import Signer, route_id
 from .actor_meshes import LOCAL_PROC, ActorMeshes
-from .actors import ActorHost, error_info
+from .actor_host import ActorHost
 from .launch import LocalAgent, proc_specs
 from .liveness import Liveness
 from .messenger import Messenger
@@ -129,10 +128,10 @@ class Controller:
             Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
             Kind.AGENT_HELLO: self._on_agent_hello,
             Kind.PORT: self.messenger.on_port,
-            Kind.CONTROL: self._on_control,
         }
         self.actor_meshes = ActorMeshes(self)
         self._handlers[Kind.ACTOR_FAILED] = self.actor_meshes.on_actor_failed
+        self._handlers[Kind.CONTROL] = self.actor_meshes.on_control
         self.channel.every(config.heartbeat_interval_s, self._tick)
         self.channel.start(name="monarch_nb-controller-io")
         backend.install(self)
@@ -517,46 +516,6 @@ class Controller:
         header.update(src=LOCAL_PROC, dst=CONTROLLER)
         if header["kind"] == Kind.ACTOR_FAILED:
             self.actor_meshes.on_actor_failed(header, body, [])
-
-    def _on_control(self, header: dict, body: Any, buffers: list) -> None:
-        """A request an actor made of the runtime (IO thread): run it on a thread of its own."""
-        threading.Thread(target=self._control, args=(header, body, buffers), name="monarch_nb-control", daemon=True).start()
-
-    def _control(self, header: dict, body: Any, buffers: list) -> None:
-        try:
-            payload = loads(body, buffers)
-            owner = tuple(payload["owner"]) if payload.get("owner") else None
-            value = self._control_op(header["op"], payload, owner)
-            ok = True
-        except BaseException as exc:  # noqa: BLE001 - the asking actor gets the error
-            ok, value = False, error_info(exc)
-        try:
-            reply_body, reply_buffers = dumps(value)
-        except SerializationError as exc:
-            ok, (reply_body, reply_buffers) = False, dumps(error_info(exc))
-        self.channel.send(header["reply_to"], {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok},
-                          reply_body, reply_buffers)
-
-    def _control_op(self, op: str, payload: dict, owner: tuple | None) -> Any:
-        meshes = self.actor_meshes
-        if op == "spawn_procs":
-            name = self._spawn_procs(payload["hosts"], payload["extent"], payload["name"], payload.get("python", ""))
-            meshes.own_procs(owner, name)
-            return name
-        if op == "spawn_actors":
-            return meshes.spawn(payload["mesh"], payload["ranks"], payload["name"], payload["cls"], payload["args"],
-                                payload["kwargs"], payload["spawn_extent"], owner, payload.get("creator"))
-        if op == "initialized":
-            return meshes.initialized(payload["actor"]).get()
-        if op == "stop_actors":
-            return meshes.stop(payload["actor"])
-        if op == "stop_procs":
-            return self.stop_procs(payload["mesh"])
-        if op == "get_or_spawn_controller":
-            return meshes.get_or_spawn_controller(payload["name"], payload["cls"], payload["args"], payload["kwargs"]).get()
-        if op == "set_log_level":
-            return self.set_log_level(payload["mesh"], payload["level"])
-        raise ValueError(f"unknown control request {op!r}")
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -45,7 +45,7 @@ from ..errors import SupervisionError
 from ..transport.channel import Channel
 from ..transport.wire import Signer, route_id
 from . import import_grace
-from .actors import ActorHost, error_info
+from .actor_host import ActorHost
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
 from .protocol import CONTROLLER, Kind, ProcEnv
