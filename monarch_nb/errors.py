@@ -231,7 +231,7 @@ class SupervisionError(MonarchError, RuntimeError):
     """
 
     def __init__(self, rank: int, cause: str, detail: str = "", signal: str | None = None,
-                 call: str | None = None, report: str | None = None):
+                 call: str | None = None, report: str | None = None, actor: str | None = None):
         self.rank = rank
         self.cause = cause
         self.signal = signal
@@ -240,19 +240,26 @@ class SupervisionError(MonarchError, RuntimeError):
         self.report = report
         sig = f", signal {signal}" if signal and signal != cause else ""
         what = report or f"rank {rank} failed ({cause}{sig}){': ' + detail if detail else ''}"
+        if actor and not report:  # a call to an actor whose proc failed: say so as Monarch does
+            what = (f"The actor {actor} and all its descendants have failed:\n  the process this actor was running on "
+                    f"failed: {what}")
+        self.actor = actor
         super().__init__(f"Endpoint call {call}() failed, {what}" if call else what)
 
-    def with_call(self, call: str) -> "SupervisionError":
-        """The same failure, about the call ``call`` (``"<mesh>.<endpoint>"``)."""
-        return SupervisionError(self.rank, self.cause, self.detail, self.signal, call, self.report)
+    def __reduce__(self):
+        return SupervisionError, (self.rank, self.cause, self.detail, self.signal, self.call, self.report, self.actor)
+
+
+class MeshStoppedError(SupervisionError):
+    """The mesh was stopped (```ProcMesh` has already been stopped``); spawn a new one with
+    ``this_host().spawn_procs(...)``. A SupervisionError (and a RuntimeError), as in Monarch."""
+
+    def __init__(self, message: str):
+        MonarchError.__init__(self, message)
+        self.rank, self.cause, self.signal, self.detail, self.call, self.report = -1, "stopped", None, message, None, None
 
     def __reduce__(self):
-        return SupervisionError, (self.rank, self.cause, self.detail, self.signal, self.call, self.report)
-
-
-class MeshStoppedError(MonarchError, RuntimeError):
-    """The mesh was stopped (```ProcMesh` has already been stopped``); spawn a new one with
-    ``this_host().spawn_procs(...)``."""
+        return MeshStoppedError, (str(self),)
 
 
 class UnknownEndpointError(MonarchError, AttributeError):

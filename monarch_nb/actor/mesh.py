@@ -327,6 +327,7 @@ class ActorMesh(MeshBase, Generic[A]):
         self._spawn = spawn_shape or shape
         self._endpoints = endpoints_of(cls)
         self._target_list: list[Target] | None = None
+        self._display = f"{cls.__module__}.{cls.__qualname__} {name}"  # for failure texts
         self._sliced = not (self._shape.ranks == self._spawn.ranks and dict(self._shape.extent) == dict(self._spawn.extent))
 
     def _with_shape(self, shape: Shape) -> "ActorMesh[A]":
@@ -394,8 +395,8 @@ class ActorMesh(MeshBase, Generic[A]):
         runtime = backend.current()
         if runtime.mesh_stopped(self._proc_mesh):
             raise MeshStoppedError(
-                f"`ProcMesh` has already been stopped: proc mesh {self._proc_mesh!r} was stopped; "
-                "spawn a new one with this_host().spawn_procs(...)"
+                f"Endpoint call {self._name}.{endpoint}() failed, actor mesh is stopped due to proc mesh shutdown: "
+                f"`ProcMesh` {self._proc_mesh!r} has already been stopped; spawn a new one with this_host().spawn_procs(...)"
             )
         everyone = self._targets()
         chosen = everyone if targets is None else [everyone[i] for i in targets]
@@ -405,7 +406,7 @@ class ActorMesh(MeshBase, Generic[A]):
         note_client_loop()
         return runtime.send(
             chosen, self._id, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply,
-            stream=stream, port=port, message_extent=message, as_endpoint=as_endpoint,
+            stream=stream, port=port, message_extent=message, as_endpoint=as_endpoint, display=self._display,
         )
 
     def __repr__(self) -> str:

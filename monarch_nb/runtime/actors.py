@@ -435,6 +435,8 @@ class ActorRunner:
             failure._report = report
         self.failed = {"supervision": True, "cause": "actor failed", "detail": reason, "report": report,
                        "rank": failure.crashed_ranks[0]}
+        # the owner hears first: its __supervise__ runs before the callers see the error (as in Monarch)
+        self.host.actor_failed(self, failure)
         for pending in (header, self._current_header):  # the failing call, and the one in flight
             if pending is not None and "_done" not in pending:
                 self.host.reply_failure(pending, self.failed)
@@ -452,7 +454,6 @@ class ActorRunner:
                 cleanup(exc if isinstance(exc, Exception) else Exception(reason))
             except BaseException:  # noqa: BLE001
                 log.exception("%s.__cleanup__ raised", self.name)
-        self.host.actor_failed(self, failure)
 
     def _fail_unhandled(self, failure: MeshFailure, raised: BaseException | None) -> None:
         """A child's failure this actor did not handle: it fails too, carrying the root cause."""

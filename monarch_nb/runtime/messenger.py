@@ -39,7 +39,7 @@ _EMPTY_ARGS = dumps(((), {}))
 
 
 class _PendingCall:
-    __slots__ = ("targets", "actor", "endpoint", "extent", "future", "values", "outstanding", "errors", "streams")
+    __slots__ = ("targets", "actor", "endpoint", "extent", "future", "values", "outstanding", "errors", "streams", "display")
 
     def __init__(self, targets: list, actor: str, endpoint: str, extent: Extent | None, future: Future | None,
                  streams: list | None = None):
@@ -52,6 +52,7 @@ class _PendingCall:
         self.outstanding = set(range(len(targets)))
         self.errors: list = []
         self.streams = streams  # stream(): Futures completed in arrival order
+        self.display = actor  # "module.Class name" of the actors called, for failure texts
 
 
 class Messenger:
@@ -90,6 +91,7 @@ class Messenger:
         port: Any = None,
         message_extent: tuple | None = None,
         as_endpoint: bool = False,
+        display: str | None = None,
     ) -> Future | list[Future] | None:
         """Send ``actor.endpoint(*args, **kwargs)`` to each target.
 
@@ -134,7 +136,7 @@ class Messenger:
                         h["mi"] = message_extent[1][index]
                     self._deliver(target.proc, h, body, buffers)
             return None
-        return self._call(targets, header, body, buffers, extent, stream, message_extent)
+        return self._call(targets, header, body, buffers, extent, stream, message_extent, display=display)
 
     def send_raw(
         self,
@@ -176,7 +178,8 @@ class Messenger:
         return future
 
     def _call(self, targets: Sequence[Target], header: dict, body: bytes, buffers: list, extent: Extent | None,
-              stream: bool, message_extent: tuple | None, even_if_failed: bool = False) -> Future | list[Future]:
+              stream: bool, message_extent: tuple | None, even_if_failed: bool = False,
+              display: str | None = None) -> Future | list[Future]:
         cid = f"{self.identity}:{next(self._ids)}"
         streams = None
         if stream:
@@ -185,6 +188,8 @@ class Messenger:
         else:
             future = Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead)
         pending = _PendingCall(list(targets), header["actor"], header["ep"], extent, future, streams)
+        if display:
+            pending.display = display
         header["cid"] = cid
         header["reply_to"] = self.identity
         with self._lock:
@@ -192,8 +197,7 @@ class Messenger:
         for index, target in enumerate(targets):
             failure = None if even_if_failed else self._failed.get(route_id(target.proc))
             if failure is not None:
-                self._complete(cid, index, error=SupervisionError(
-                    target.rank, failure.cause, failure.detail, failure.signal, f"{pending.actor}.{pending.endpoint}"))
+                self._complete(cid, index, error=self._proc_error(pending, target, failure))
                 continue
             h = dict(header, idx=index, rank=target.rank)
             if message_extent is not None:
@@ -338,13 +342,18 @@ class Messenger:
                 if route_id(p.targets[i].proc) == proc
             ]
         for cid, index, pending in hits:
-            rank = pending.targets[index].rank
-            self._complete(cid, index, error=SupervisionError(rank, error.cause, error.detail, error.signal,
-                                                              f"{pending.actor}.{pending.endpoint}"))
+            self._complete(cid, index, error=self._proc_error(pending, pending.targets[index], error))
         if self._ports:
             failed = dict(self._failed)
             for receiver in list(self._ports.values()):
                 receiver._holders_failed(failed)
+
+    @staticmethod
+    def _proc_error(pending: _PendingCall, target: Target, error: SupervisionError) -> SupervisionError:
+        """The error a call to ``target`` gets when its proc failed."""
+        where = "{" + ", ".join(f"'{k}': {v}" for k, v in target.coords.items()) + "}"
+        return SupervisionError(target.rank, error.cause, error.detail, error.signal, f"{pending.actor}.{pending.endpoint}",
+                                actor=f"<{pending.display}{where}>" if pending.actor and pending.endpoint != "__init__" else None)
 
     def proc_recovered(self, proc: str) -> None:
         self._failed.pop(route_id(proc), None)
