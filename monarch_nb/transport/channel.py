@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from . import shm
-from .wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
+from .wire import MAGIC, BadMessage, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
@@ -59,6 +59,11 @@ _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLI
 #: How often the IO thread looks at the lease while another thread holds it (seconds): a leader
 #: that starts a long endpoint leaves messages and timers waiting at most this much more.
 _IO_RECHECK_S = 0.02
+
+
+def _is_route(frame: bytes) -> bool:
+    """A destination frame (a routing identity), not a message envelope."""
+    return type(frame) is bytes and len(frame) < 256 and not (frame.startswith(MAGIC) and len(frame) > 40)
 
 
 class Channel:
@@ -98,6 +103,9 @@ class Channel:
         os.set_blocking(self._wake_r, False)
         self._readers: dict[int, Callable[[int], None]] = {}
         self._readers_version = 0
+        self._route_frames: dict[str, bytes] = {}
+        self._peers: set[bytes] = set()  # ROUTER: identities that sent a verified message (forward targets)
+        self._own_route = route_id(identity).encode()
         self._timers: list[list] = []  # [next_due, interval_s, fn]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
@@ -110,6 +118,7 @@ class Channel:
         self._count_lock = threading.Lock()
         self._local = threading.local()  # per leading thread: its poller
         self.dropped = collections.Counter()  # reason -> count
+        self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
@@ -157,9 +166,16 @@ class Channel:
             self._seq += 1
             header["seq"] = self._seq
             frames = encode(self._signer, header, body, buffers)
-            if self.router:
-                frames.insert(0, route_id(dst).encode())
+            # a ROUTER's first frame routes; a DEALER's names the destination, so that the hub can
+            # forward the message to another peer without reading it (the receiver verifies it)
+            frames.insert(0, self._route_frame(dst))
             self._send_locked(frames)
+
+    def _route_frame(self, dst: str) -> bytes:
+        frame = self._route_frames.get(dst)
+        if frame is None:
+            frame = self._route_frames[dst] = route_id(dst).encode()
+        return frame
 
     def _export_large(self, header: dict, buffers: Sequence[Any]) -> list:
         out = list(buffers)
@@ -341,11 +357,19 @@ class Channel:
                 except zmq.ZMQError as exc:
                     log.warning("recv failed: %s", exc)
                     return
-            if self.router:
-                frames = frames[1:]
             if self.muted_until and time.monotonic() < self.muted_until:
                 self.dropped["partitioned"] += 1
                 continue
+            sender = None
+            if self.router:
+                sender, frames = frames[0], frames[1:]
+                if len(frames) >= 2 and _is_route(frames[0]):
+                    dst, frames = frames[0], frames[1:]
+                    if dst != self._own_route and dst in self._peers:
+                        self.forwarded += 1  # another peer's: pass it on unread (the receiver verifies it)
+                        with self._lock:
+                            self._send_locked([dst, *frames])
+                        continue
             try:
                 header, body, buffers = decode(self._signer, frames)
             except BadMessage as exc:
@@ -356,6 +380,8 @@ class Channel:
                 self.dropped["replayed"] += 1
                 log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
                 continue
+            if sender is not None:
+                self._peers.add(sender)
             if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
                 try:
                     buffers = self._import_large(header, buffers)
@@ -370,7 +396,9 @@ class Channel:
         bytes, the buffers after it as zero-copy frames. Raises zmq.Again if none is waiting."""
         sock = self._sock
         frames = [sock.recv(_NOBLOCK)]
-        if self.router and sock.getsockopt(_RCVMORE):
+        for _ in range(2 if self.router else 0):  # a ROUTER's sender and destination frames: small, copied
+            if not sock.getsockopt(_RCVMORE):
+                return frames
             frames.append(sock.recv())
         while sock.getsockopt(_RCVMORE):
             frames.append(sock.recv(copy=False))
