@@ -25,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,6 +91,10 @@ def bench_raw_zmq(calls: int) -> dict:
             server.kill()
             server.wait()
         sock.close(linger=0)
+        try:
+            os.unlink(address.removeprefix("ipc://"))
+        except OSError:
+            pass
     return summarize(samples[200:])
 
 
@@ -231,6 +236,7 @@ for label, nbytes, reps in (("tensor_1MiB", 1 << 20, 50 if QUICK else 200), ("te
 stopping = procs.stop()
 if stopping is not None:
     stopping.get()
+out["module_file"] = api.__file__
 print(json.dumps(out))
 """
 
@@ -239,13 +245,20 @@ def run_actor_script(python: str, module: str, calls: int, quick: bool, env_extr
     """Run :data:`ACTOR_SCRIPT` with ``python`` on ``module``; its JSON, or None if it failed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(env_extra or {})
-    result = subprocess.run([python, "-c", ACTOR_SCRIPT.replace("MODULE", module), str(calls), "1" if quick else "0"],
-                            capture_output=True, text=True, env=env, timeout=900)
+    with tempfile.TemporaryDirectory(prefix="mnb-bench-") as cwd:  # not the checkout: `-c` puts cwd first on sys.path
+        result = subprocess.run([python, "-c", ACTOR_SCRIPT.replace("MODULE", module), str(calls), "1" if quick else "0"],
+                                capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     if result.returncode != 0 or not lines:
         print(f"{module} run failed (exit {result.returncode}): {result.stderr[-1500:]}", file=sys.stderr)
         return None
     return json.loads(lines[-1])
+
+
+def _baseline_env(checkout: Path) -> dict:
+    """PYTHONPATH that makes ``import monarch_nb`` load ``checkout``'s package (the scripts run in
+    a folder of their own, so the current folder's package does not come first)."""
+    return {"PYTHONPATH": str(checkout.resolve())}
 
 
 def bench_monarch_nb(calls: int, quick: bool) -> dict:
@@ -469,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["monarch_nb"].append(bench_monarch_nb(args.calls, args.quick))
         if args.baseline is not None:
             runs["baseline"].append(run_actor_script(sys.executable, "monarch_nb", args.calls, args.quick,
-                                                     {"PYTHONPATH": str(args.baseline.resolve())}) or {})
+                                                     _baseline_env(args.baseline)) or {})
         if _peers.peer_python() is not None:
             runs["torchmonarch"].append(run_actor_script(str(_peers.peer_python()), "monarch.actor", args.calls, args.quick) or {})
     results["monarch_nb"] = median_of_runs(runs["monarch_nb"])
