@@ -171,6 +171,18 @@ class Hosts:
                               "(can the host reach this address? a firewall?)")
         return record
 
+    def detach(self, names: list[str]) -> None:
+        """Forget the attached hosts ``names`` (their job ended): tell their agents to stop, try no
+        re-attach, drop their records. Their procs' meshes should be stopped first."""
+        with self._lock:
+            for name in names:
+                if self.is_local(name):
+                    continue
+                self._reattaching.discard(name)
+                self._links.pop(name, None)
+                if self.records.pop(name, None) is not None:
+                    self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
+
     # -- messages (IO thread) --------------------------------------------------------------------------
     def on_hello(self, header: dict) -> None:
         record = self.records.get(route_id(header["src"]))

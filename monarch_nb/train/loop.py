@@ -267,6 +267,7 @@ class TrainingRun:
         for attempt in range(3):
             try:
                 self._trainers = self._procs.spawn("trainer" if not attempt else f"trainer{attempt}", Trainer, *args)
+                self._trainers.initialized.get()  # spawn returns at once; training starts from built trainers
                 break
             except SupervisionError as exc:  # a proc died or looked hung while starting: restart it, retry
                 if attempt == 2:
