@@ -128,18 +128,19 @@ def test_a_mesh_on_two_hosts_runs_cells_status_and_tree(kernel, workers):
         "import json\nfrom monarch_nb.runtime.controller import Controller\n_c = Controller.get()\n"
         "print(json.dumps({'hosts': [_c.proc_record(procs.name, r).host for r in range(4)],\n"
         "  'agents': {h.name: [h.address, h.pid] for h in _c.hosts.values() if h.address}}))").stream_text().strip())
-    assert facts["hosts"] == ["host1", "host1", "host2", "host2"]
     agents = facts["agents"]
-    assert {name: a[0] for name, a in agents.items()} == {"host1": first, "host2": second}
+    one, two = (next(n for n, a in agents.items() if a[0] == address) for address in (first, second))
+    assert facts["hosts"] == [one, one, two, two]  # ranks numbered host by host
     for rank, pid in pids.items():
         agent = agents[facts["hosts"][rank]][1]
         assert _ppid(pid) == agent, f"rank {rank} (pid {pid}) is not a child of its host's agent {agent}"
         assert _ppid(agent) == workers["pids"][rank // 2], f"the agent of rank {rank} was not started by its worker"
 
     status = _stdout(kernel.ok("%mesh status", 60))
-    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\s+(\d)\s+(host\d)\s+healthy\s", status, re.M)}
-    assert rows == {0: "host1", 1: "host1", 2: "host2", 3: "host2"}, status
-    assert f"host1: healthy, " in status and f"at {first}" in status and f"at {second}" in status
+    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\s+(\d)\s+(host\d+)\s+healthy\s", status, re.M)}
+    assert rows == {0: one, 1: one, 2: two, 3: two}, status
+    assert re.search(rf"^  {one}: healthy, \S+ at {first}, load ", status, re.M), status
+    assert re.search(rf"^  {two}: healthy, \S+ at {second}, load ", status, re.M), status
 
     ex = kernel.ok("%mesh tree")
     assert any("application/vnd.jupyter.widget-view+json" in d for d in ex.displays())
@@ -147,7 +148,7 @@ def test_a_mesh_on_two_hosts_runs_cells_status_and_tree(kernel, workers):
         "from monarch_nb.jupyter.session import current\n_t = current().tree_widget\n_t.refresh()\n"
         "print(json.dumps({'layout': _t.layout, 'rows': [[r['name'], r['address'], [c['rank'] for c in r['cells']]]\n"
         "  for r in _t.grid['hosts'] if r['cells']]}))").stream_text().strip())
-    assert tree == {"layout": "list", "rows": [["host1", first, [0, 1]], ["host2", second, [2, 3]]]}
+    assert tree == {"layout": "list", "rows": [[one, first, [0, 1]], [two, second, [2, 3]]]}
 
 
 def test_fault_and_restart_on_a_remote_host(kernel, workers):
@@ -156,8 +157,8 @@ def test_fault_and_restart_on_a_remote_host(kernel, workers):
     ex = kernel.ok("%mesh fault kill 3", 60)
     assert "injected kill into rank 3" in _stdout(ex) and "SIGKILL" in _stdout(ex), _stdout(ex)
     status = _stdout(kernel.ok("%mesh status", 60))
-    assert re.search(r"^\s+3\s+host2\s+failed\s", status, re.M), status
-    assert re.search(r"^\s+2\s+host2\s+healthy\s", status, re.M), status  # isolated to rank 3
+    assert re.search(r"^\s+3\s+host\d+\s+failed\s", status, re.M), status
+    assert re.search(r"^\s+2\s+host\d+\s+healthy\s", status, re.M), status  # isolated to rank 3
     ex = kernel.execute("%%mesh --ranks 3\nrank")
     assert ex.status == "error" and "SupervisionError" in "\n".join(ex.error["traceback"])
     assert "restarted" in _stdout(kernel.ok("%mesh restart 3", 120))
@@ -165,13 +166,30 @@ def test_fault_and_restart_on_a_remote_host(kernel, workers):
     values = [eval(d["text/plain"].split(": ", 1)[1]) for d in ex.displays()]
     assert [r for r, _ in values] == [2, 3]
     new = values[1][1]
-    agent = json.loads(kernel.ok("import json\nprint(json.dumps(Controller.get().hosts['host2'].pid))").stream_text())
+    agent = int(kernel.ok("_c = Controller.get()\nprint(_c.hosts[_c.proc_record(procs.name, 3).host].pid)").stream_text())
     assert new != old and _ppid(new) == agent  # a new incarnation, on the same host
 
 
-def test_stop_then_the_same_hosts_again_with_torch_distributed(kernel, workers):
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if _ppid(int(entry)) == pid and pid_alive(int(entry)):
+                    out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_stop_detaches_the_hosts_then_the_same_hosts_again_with_torch_distributed(kernel, workers):
     first, second = workers["addresses"]
     assert "stopped" in _stdout(kernel.ok("%mesh stop", 60))
+    # %mesh stop detached the hosts it attached: their agents are gone, the workers wait for a controller
+    assert kernel.ok("from monarch_nb.runtime.controller import Controller\n"
+                     f"print([h.name for h in Controller.get().hosts.values() if h.address in ({first!r}, {second!r})])"
+                     ).stream_text().strip() == "[]"
+    wait_until(lambda: not any(_children(pid) for pid in workers["pids"]), 15, message="the workers' host agents gone")
     ex = kernel.ok(f"%mesh start 1 --hosts {first},{second} --dist", 180)
     assert "2 procs (dims {'hosts': 2, 'gpus': 1})" in _stdout(ex) and "torch.distributed up (gloo)" in _stdout(ex), _stdout(ex)
     ex = kernel.ok("%%mesh\nimport torch\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n(world_size, t.item())", 120)
@@ -251,7 +269,7 @@ def test_a_lost_host_shows_as_lost_and_its_rank_restarts_when_it_is_back(kernel,
     assert not row["lost"] and row["last_event"]["kind"] == "host_returned"
     assert [(c["rank"], c["state"], c["cause"]) for c in row["cells"]] == [(1, "failed", "host_lost")]
     status = _stdout(kernel.ok("%mesh status", 60))
-    assert re.search(r"^\s+1\s+host\d\s+failed\s", status, re.M) and "host_lost" in status and "host_returned" in status, status
+    assert re.search(r"^\s+1\s+host\d+\s+failed\s", status, re.M) and "host_lost" in status and "host_returned" in status, status
     assert "restarted" in _stdout(kernel.ok("%mesh restart 1", 120))
     ex = kernel.ok("%%mesh\nrank * 10", 60)
     assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: 0", "Out[1]: 10"]

@@ -131,13 +131,18 @@ class MeshMagics(Magics):
                 count = placement_mod.procs_per_host(placement, args.n, args.gpus, _controller().hosts)
             except placement_mod.PlacementError as exc:
                 raise UsageError(str(exc)) from None
-            procs = placement.host_mesh.spawn_procs(per_host={"gpus": count}, name=args.name)
+            try:
+                procs = placement.host_mesh.spawn_procs(per_host={"gpus": count}, name=args.name)
+            except BaseException:
+                _controller().detach_hosts(placement.attached)
+                raise
         try:
-            sess = session_mod.MeshSession(procs)
+            sess = session_mod.MeshSession(procs, attached_hosts=placement.attached)
             if args.dist:
                 backend = sess.init_distributed()
         except BaseException:
             procs.stop()
+            _controller().detach_hosts(placement.attached)
             raise
         session_mod.set_current(sess)
         dist = f", torch.distributed up ({backend})" if args.dist else ""

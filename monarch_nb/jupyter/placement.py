@@ -9,15 +9,16 @@
   (:func:`monarch_nb.job.job_load`) and re-attaches its running hosts (``job.state()``), using its
   first host mesh or ``NAME``.
 
-Nothing here imports IPython: errors are :class:`PlacementError`, which the magic shows as a
-usage error.
+Hosts attached by ``%mesh start`` are detached by ``%mesh stop`` (their worker loops then wait
+for the next controller; a job's allocation keeps running). Nothing here imports IPython: errors
+are :class:`PlacementError`, which the magic shows as a usage error.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PlacementError", "Placement", "parse_workers", "resolve", "procs_per_host"]
@@ -32,10 +33,13 @@ class PlacementError(ValueError):
 
 @dataclass
 class Placement:
-    """Where the procs go: ``host_mesh`` (None: this machine) and how to say it (``where``)."""
+    """Where the procs go: ``host_mesh`` (None: this machine), how to say it (``where``), and
+    the hosts attached for it (``attached``: ``%mesh stop`` detaches them, so their workers wait
+    for the next controller)."""
 
     host_mesh: Any = None
     where: str = "this host"
+    attached: list = field(default_factory=list)
 
 
 def parse_workers(spec: str) -> list[str]:
@@ -75,11 +79,14 @@ def resolve(hosts: str | None, job: str | None, ca: str | None, mesh: str | None
         raise PlacementError("--mesh picks one of a job's host meshes: use it with --job FILE")
     if ca and not (hosts or job):
         raise PlacementError("--ca gives the keys of the workers in --hosts; without --hosts the procs run here")
-    if job:
-        return _from_job(job, mesh)
-    if not hosts or all(h.strip() in _THIS_HOST for h in hosts.split(",") if h.strip()):
+    if not job and (not hosts or all(h.strip() in _THIS_HOST for h in hosts.split(",") if h.strip())):
         return Placement()
-    return _from_workers(parse_workers(hosts), ca)
+    from ..runtime.controller import Controller
+
+    known = set(Controller.get().hosts)
+    placement = _from_job(job, mesh) if job else _from_workers(parse_workers(hosts), ca)
+    placement.attached = [name for name in placement.host_mesh.host_names if name not in known]
+    return placement
 
 
 def _from_workers(workers: list[str], ca: str | None) -> Placement:

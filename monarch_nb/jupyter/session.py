@@ -43,7 +43,7 @@ class NoMeshError(RuntimeError):
 class MeshSession:
     """A proc mesh with cell executors, as driven from a notebook."""
 
-    def __init__(self, procs: Any, *, owned: bool = True) -> None:
+    def __init__(self, procs: Any, *, owned: bool = True, attached_hosts: list[str] | None = None) -> None:
         from ..runtime.controller import Controller
 
         from .worker import CellExecutor, MeshProbe
@@ -53,6 +53,7 @@ class MeshSession:
         self.world_size = len(procs)
         self.procs = MeshProcs(procs.name, procs.extent, self)
         self.owned = owned
+        self.attached_hosts = list(attached_hosts or [])  # hosts attached for this mesh: detached by stop()
         router_for(self.controller)
         self.executors = procs.spawn(EXECUTOR_NAME, CellExecutor)
         self.probes = procs.spawn(PROBE_NAME, MeshProbe)
@@ -191,6 +192,9 @@ class MeshSession:
                 log.exception("stopping the training run failed")
         if self.owned:
             self.procs.stop()
+        if self.attached_hosts:  # their worker loops wait for the next controller again
+            self.controller.detach_hosts(self.attached_hosts)
+            self.attached_hosts = []
 
 
 class MeshProcs(ProcMesh):
