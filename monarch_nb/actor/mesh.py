@@ -100,6 +100,7 @@ class HostMesh(MeshBase):
         """The names of this mesh's hosts (as the supervision tree shows them), in rank order."""
         return [self._hosts[r] for r in self._shape.ranks]
 
+    @property
     def is_fake_in_process(self) -> bool:
         """False: procs of a HostMesh are real OS processes."""
         return False

@@ -185,7 +185,7 @@ class Controller:
                            master=(store.host, store.port), python=python)
         cores = _cores()
         local = sum(1 for s in specs if self._hosts.is_local(s["host"]))
-        if local > cores:
+        if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
             log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
         with self._lock:
