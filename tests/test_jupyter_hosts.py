@@ -274,3 +274,32 @@ def test_a_lost_host_shows_as_lost_and_its_rank_restarts_when_it_is_back(kernel,
     ex = kernel.ok("%%mesh\nrank * 10", 60)
     assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: 0", "Out[1]: 10"]
     kernel.ok("%mesh stop", 60)
+
+
+def test_a_worker_with_the_clusters_keys_takes_ca(kernel, tmp_path):
+    from monarch_nb.transport.keys import create_keys
+
+    keys = create_keys(str(tmp_path / "keys"))
+    popen = subprocess.Popen([sys.executable, "-m", "monarch_nb.cli", "worker", "--address", "tcp://127.0.0.1:0",
+                              "--curve-keys", keys], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                             start_new_session=True)
+    try:
+        announced = _announcement(popen)
+        assert announced["encrypted"]
+        address = announced["address"][len("tcp://"):]
+        # without its keys: no answer (CurveZMQ drops the handshake); said after start_timeout_s
+        kernel.ok("import monarch_nb\nfrom monarch_nb.config import config\n_saved = config.start_timeout_s\n"
+                  "monarch_nb.configure(start_timeout_s=3.0)")
+        ex = kernel.execute(f"%mesh start 1 --hosts {address}", 60)
+        kernel.ok("monarch_nb.configure(start_timeout_s=_saved)")
+        assert ex.status == "error" and "did not answer within 3.0 s" in _error_text(ex) and "same keys" in _error_text(ex)
+        assert kernel.ok("from monarch_nb.runtime.controller import Controller\n"
+                         f"print([h.name for h in Controller.get().hosts.values() if h.address == 'tcp://{address}'])"
+                         ).stream_text().strip() == "[]"  # the failed attach left no host behind
+        ex = kernel.ok(f"%mesh start 2 --hosts {address} --ca {keys}", 120)
+        assert "2 procs (dims {'hosts': 1, 'gpus': 2})" in _stdout(ex), _stdout(ex)
+        ex = kernel.ok("%%mesh\nrank + 100", 60)
+        assert [d["text/plain"] for d in ex.displays()] == ["Out[0]: 100", "Out[1]: 101"]
+        kernel.ok("%mesh stop", 60)
+    finally:
+        _stop([popen])

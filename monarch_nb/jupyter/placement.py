@@ -83,8 +83,13 @@ def resolve(hosts: str | None, job: str | None, ca: str | None, mesh: str | None
         return Placement()
     from ..runtime.controller import Controller
 
-    known = set(Controller.get().hosts)
-    placement = _from_job(job, mesh) if job else _from_workers(parse_workers(hosts), ca)
+    controller = Controller.get()
+    known = set(controller.hosts)
+    try:
+        placement = _from_job(job, mesh) if job else _from_workers(parse_workers(hosts), ca)
+    except PlacementError:  # forget what this call attached before it failed (a worker of several)
+        controller.detach_hosts([name for name in controller.hosts if name not in known])
+        raise
     placement.attached = [name for name in placement.host_mesh.host_names if name not in known]
     return placement
 
