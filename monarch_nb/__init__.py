@@ -1,6 +1,7 @@
 """monarch_nb: a Jupyter-native, fault-tolerant distributed training environment (PyTorch Monarch's API).
 
     from monarch_nb import Actor, endpoint, this_host
+    from monarch_nb.actor import Actor, endpoint, this_host   # the same objects, Monarch's import path
 
 Names load lazily, so ``import monarch_nb`` imports neither torch, IPython nor ipywidgets.
 In IPython: ``%load_ext monarch_nb`` registers the ``%mesh`` / ``%%mesh`` magics.
@@ -47,6 +48,17 @@ _EXPORTS = {
     "context": "monarch_nb.actor.context",
     "current_rank": "monarch_nb.actor.context",
     "current_size": "monarch_nb.actor.context",
+    "Accumulator": "monarch_nb.actor.endpoint",
+    "as_endpoint": "monarch_nb.actor.endpoint",
+    "concurrent_endpoint": "monarch_nb.actor.endpoint",
+    "send": "monarch_nb.actor.endpoint",
+    "Channel": "monarch_nb.actor.ports",
+    "Port": "monarch_nb.actor.ports",
+    "PortReceiver": "monarch_nb.actor.ports",
+    "MeshFailure": "monarch_nb.actor.failure",
+    "current_actor_name": "monarch_nb.actor.context",
+    "get_or_spawn_controller": "monarch_nb.actor.singletons",
+    "shutdown_context": "monarch_nb.actor.singletons",
     "ActorError": "monarch_nb.errors",
     "SupervisionError": "monarch_nb.errors",
     "MeshStoppedError": "monarch_nb.errors",
@@ -59,9 +71,12 @@ __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extensio
 
 if TYPE_CHECKING:
     from .actor.attach import attach_to_workers
-    from .actor.context import context, current_rank, current_size, this_host, this_proc
+    from .actor.context import context, current_actor_name, current_rank, current_size, this_host, this_proc
+    from .actor.endpoint import Accumulator, Actor, Endpoint, as_endpoint, concurrent_endpoint, endpoint, send
+    from .actor.failure import MeshFailure
+    from .actor.ports import Channel, Port, PortReceiver
+    from .actor.singletons import get_or_spawn_controller, shutdown_context
     from .runtime.worker_loop import run_worker_loop_forever
-    from .actor.endpoint import Actor, Endpoint, endpoint
     from .actor.future import Future
     from .actor.mesh import ActorMesh, HostMesh, ProcMesh
     from .actor.shape import Extent, Point

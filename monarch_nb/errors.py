@@ -2,12 +2,18 @@
 
 Remote errors render well in IPython: they implement ``_render_traceback_`` so a failure on a
 rank prints as that rank's own traceback (with the source lines of notebook-cell code, which the
-controller's linecache holds) instead of a wall of wrapper frames.
+controller's linecache holds) instead of a wall of wrapper frames; ranks that failed with the
+same traceback are printed once, under "ranks 0-3:".
+
+Capturing an error on a rank never fails: an exception whose ``__str__`` or ``__repr__`` raises,
+that cannot be pickled, or whose cause or context does either, is still described (type name and
+``<str() failed>``, as Python's traceback module does), so the caller always gets its reply.
 """
 
 from __future__ import annotations
 
 import linecache
+import os
 import traceback
 from typing import Iterable, Mapping
 
@@ -19,34 +25,76 @@ __all__ = [
     "UnknownEndpointError",
     "format_remote_traceback",
     "capture_traceback",
-    "rank_ranges",
+    "format_ranks",
     "group_identical",
 ]
+
+#: Frames from these folders above the user's code are the runtime's own: not shown remotely.
+_RUNTIME_DIRS = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), d) + os.sep for d in ("runtime", "actor")
+)
 
 
 class MonarchError(Exception):
     """Base of monarch_nb's errors."""
 
 
-def capture_traceback(exc: BaseException) -> dict:
-    """Plain-data form of ``exc`` and its traceback, to send to the caller.
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
+    except BaseException:  # noqa: BLE001 - any failure of a user's __str__
+        return "<str() failed>"
 
-    Returns a dict with ``type``, ``message`` and ``frames`` (a list of
-    ``[filename, lineno, function, source line or None]``), outermost frame first, chained causes
-    under ``cause``.
+
+def _safe_frames(tb) -> list:
+    try:
+        frames = [[f.filename, f.lineno, f.name, f.line or None] for f in traceback.extract_tb(tb)]
+    except BaseException:  # noqa: BLE001 - a broken loader or linecache entry
+        return []
+    while len(frames) > 1 and frames[0][0].startswith(_RUNTIME_DIRS):  # runtime frames above the user's code
+        frames.pop(0)
+    return frames
+
+
+def capture_traceback(exc: BaseException, _depth: int = 0) -> dict:
+    """Plain-data form of ``exc`` and its traceback, to send to the caller. Never raises.
+
+    Returns a dict with ``type``, ``module``, ``message`` and ``frames`` (a list of
+    ``[filename, lineno, function, source line or None]``, outermost frame first, the runtime's
+    own frames above the user's code left out); the exception it was raised from under ``cause``
+    with ``chain`` ``"cause"`` (``raise ... from``) or ``"context"`` (raised while handling it).
     """
-    frames = [
-        [f.filename, f.lineno, f.name, f.line or None] for f in traceback.extract_tb(exc.__traceback__)
-    ]
-    info = {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": str(exc), "frames": frames}
-    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-    if cause is not None and cause is not exc:
-        info["cause"] = capture_traceback(cause)
+    kind = type(exc)
+    info = {
+        "type": getattr(kind, "__qualname__", "Exception"),
+        "module": getattr(kind, "__module__", ""),
+        "message": _safe_str(exc),
+        "frames": _safe_frames(exc.__traceback__),
+    }
+    try:
+        if exc.__cause__ is not None:
+            linked, chain = exc.__cause__, "cause"
+        elif exc.__context__ is not None and not exc.__suppress_context__:
+            linked, chain = exc.__context__, "context"
+        else:
+            linked, chain = None, ""
+    except BaseException:  # noqa: BLE001
+        linked, chain = None, ""
+    if linked is not None and linked is not exc and _depth < 20:
+        info["cause"] = capture_traceback(linked, _depth + 1)
+        info["chain"] = chain
     return info
 
 
+_CHAIN_LINES = {
+    "cause": "\nThe above exception was the direct cause of the following exception:\n\n",
+    "context": "\nDuring handling of the above exception, another exception occurred:\n\n",
+}
+_REMOTE_HEADER = "Traceback of where the remote call failed (most recent call last):\n"
+
+
 def format_remote_traceback(info: dict) -> str:
-    """Render :func:`capture_traceback`'s dict like Python's own traceback.
+    """Render :func:`capture_traceback`'s dict like Python's own traceback (both chain kinds).
 
     Source lines missing on the remote side (code defined in a notebook cell) are looked up in
     this process's linecache, where IPython keeps every cell.
@@ -54,8 +102,8 @@ def format_remote_traceback(info: dict) -> str:
     parts = []
     if "cause" in info:
         parts.append(format_remote_traceback(info["cause"]))
-        parts.append("\nThe above exception was the direct cause of the following exception:\n\n")
-    lines = ["Traceback (most recent call last):\n"]
+        parts.append(_CHAIN_LINES.get(info.get("chain", "cause"), _CHAIN_LINES["cause"]))
+    lines = [_REMOTE_HEADER] if info.get("frames") else []
     for filename, lineno, name, line in info.get("frames", []):
         lines.append(f'  File "{filename}", line {lineno}, in {name}\n')
         line = line or linecache.getline(filename, lineno).strip()
@@ -68,23 +116,23 @@ def format_remote_traceback(info: dict) -> str:
     return "".join(parts)
 
 
-def rank_ranges(ranks: "Iterable[int]") -> str:
-    """Ranks as compact ranges: ``[0, 1, 2, 5]`` -> ``"0-2,5"`` (sorted, duplicates dropped)."""
-    ordered = sorted(set(ranks))
-    parts: list[str] = []
+def format_ranks(ranks: "Iterable[int]") -> str:
+    """Ranks as compact ranges: ``[0, 1, 2, 3, 5]`` -> ``"0-3,5"`` (sorted, duplicates dropped)."""
+    ranks = sorted(set(ranks))
+    spans: list[str] = []
     start = prev = None
-    for rank in ordered + [None]:  # a sentinel closes the last run
-        if rank is not None and prev is not None and rank == prev + 1:
-            prev = rank
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = rank
-    return ",".join(parts)
+    for r in ranks + [None]:
+        if start is not None and (r is None or r != prev + 1):
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = None
+        if r is not None and start is None:
+            start = r
+        prev = r
+    return ",".join(spans)
 
 
 def group_identical(texts: "Mapping[int, str]") -> list[tuple[list[int], str]]:
-    """Ranks whose texts (rendered tracebacks) are identical, grouped: ``[(ranks, text), ...]``.
+    """Ranks whose texts (rendered tracebacks, stacks) are identical, grouped: ``[(ranks, text), ...]``.
 
     Groups come in the order of their first rank; ranks within a group are sorted. Four ranks
     that raised the same error in the same place give one group, shown once as ``ranks 0-3:``.
@@ -98,6 +146,10 @@ def group_identical(texts: "Mapping[int, str]") -> list[tuple[list[int], str]]:
 class ActorError(MonarchError):
     """An endpoint raised on a rank.
 
+    ``str(err)`` starts with ``"Actor call <mesh>.<endpoint> failed"`` (as in Monarch) and holds
+    the remote traceback, with both kinds of chained exception; ranks whose tracebacks are
+    identical are shown once, under ``ranks 0-3:``.
+
     Attributes:
         rank: flat rank of the actor that raised (int).
         coords: its coordinates (dict of dim -> index).
@@ -105,6 +157,7 @@ class ActorError(MonarchError):
         endpoint: the endpoint name.
         remote: the plain-data traceback (see :func:`capture_traceback`).
         exception_type: the remote exception's class name, e.g. ``"ValueError"``.
+        message: the first line, ``"Actor call <mesh>.<endpoint> failed ..."``.
         others: further ``ActorError``s of the same call (other ranks), possibly empty.
     """
 
@@ -118,29 +171,54 @@ class ActorError(MonarchError):
         self.others: list[ActorError] = []
         super().__init__(self._headline())
 
+    @property
+    def message(self) -> str:
+        return self._headline()
+
+    @property
+    def exception(self) -> BaseException:
+        """A local stand-in of the remote exception: its type name and message (the original
+        object stays on the rank; tracebacks of both are in ``str(err)``)."""
+        return RemoteException(f"{self.exception_type}: {self.remote.get('message', '')}")
+
     def _headline(self) -> str:
         where = ", ".join(f"{k}={v}" for k, v in self.coords.items())
         return (
-            f"{self.actor}.{self.endpoint} failed on rank {self.rank}"
+            f"Actor call {self.actor}.{self.endpoint} failed on rank {self.rank}"
             f"{f' ({where})' if where else ''}: {self.exception_type}: {self.remote.get('message', '')}"
         )
 
+    def _groups(self) -> list[tuple[list[int], str]]:
+        """(ranks, traceback text) with identical tracebacks merged, first rank first."""
+        groups: dict[str, list[int]] = {}
+        for err in [self, *self.others]:
+            groups.setdefault(format_remote_traceback(err.remote), []).append(err.rank)
+        return [(ranks, text) for text, ranks in groups.items()]
+
     def __str__(self) -> str:
-        more = f"\n(+{len(self.others)} more rank(s) failed: {sorted(e.rank for e in self.others)})" if self.others else ""
-        return f"{self._headline()}\n\nRemote traceback (rank {self.rank}):\n{format_remote_traceback(self.remote)}{more}"
+        out = [self._headline()]
+        for ranks, text in self._groups():
+            label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            out.append(f"\n{label}:\n{text}")
+        return "\n".join(out)
 
     def _render_traceback_(self) -> list[str]:
-        out = [f"ActorError: {self._headline()}", f"--- rank {self.rank} ---"]
-        out += format_remote_traceback(self.remote).rstrip("\n").split("\n")
-        for other in self.others[:3]:
-            out.append(f"--- rank {other.rank} ---")
-            out += format_remote_traceback(other.remote).rstrip("\n").split("\n")
-        if len(self.others) > 3:
-            out.append(f"... and {len(self.others) - 3} more rank(s)")
+        out = [f"ActorError: {self._headline()}"]
+        groups = self._groups()
+        for ranks, text in groups[:4]:
+            label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            out.append(f"--- {label}: ---")
+            out += text.rstrip("\n").split("\n")
+        if len(groups) > 4:
+            out.append(f"... and {len(groups) - 4} more distinct traceback(s)")
         return out
 
     def __reduce__(self):
         return _rebuild_actor_error, (self.rank, self.coords, self.actor, self.endpoint, self.remote, self.others)
+
+
+class RemoteException(Exception):
+    """Stands for an exception raised on a rank (see :attr:`ActorError.exception`)."""
 
 
 def _rebuild_actor_error(rank, coords, actor, endpoint, remote, others) -> ActorError:
@@ -149,30 +227,53 @@ def _rebuild_actor_error(rank, coords, actor, endpoint, remote, others) -> Actor
     return err
 
 
-class SupervisionError(MonarchError):
-    """A call could not complete because the proc holding the actor failed.
+class SupervisionError(MonarchError, RuntimeError):
+    """A call could not complete because the actor, or the proc holding it, failed or was stopped.
+
+    The message reads ``"Endpoint call <mesh>.<endpoint>() failed, <what happened>"`` when it is
+    about a call (as Monarch's); for an actor failure, what happened is the failure's report
+    (``"The actor <...> and all its descendants have failed: ..."``), for a proc failure
+    ``"rank R failed (<cause>)"``.
 
     Attributes:
-        rank: the failed proc's flat rank.
-        cause: what happened: ``"killed"``, ``"exited"``, ``"hung"``, ``"stopped"``, ...
+        rank: the failed proc's (or actor's) flat rank.
+        cause: what happened: ``"killed"``, ``"exited"``, ``"hung"``, ``"stopped"``, ``"actor failed"``, ...
         signal: the signal name that ended the proc (``"SIGKILL"``) or None.
         detail: a human-readable description.
+        call: ``"<mesh>.<endpoint>"`` of the call that failed, or None.
+        report: the actor failure's report, or None.
     """
 
-    def __init__(self, rank: int, cause: str, detail: str = "", signal: str | None = None):
+    def __init__(self, rank: int, cause: str, detail: str = "", signal: str | None = None,
+                 call: str | None = None, report: str | None = None, actor: str | None = None):
         self.rank = rank
         self.cause = cause
         self.signal = signal
         self.detail = detail
+        self.call = call
+        self.report = report
         sig = f", signal {signal}" if signal and signal != cause else ""
-        super().__init__(f"rank {rank} failed ({cause}{sig}){': ' + detail if detail else ''}")
+        what = report or f"rank {rank} failed ({cause}{sig}){': ' + detail if detail else ''}"
+        if actor and not report:  # a call to an actor whose proc failed: say so as Monarch does
+            what = (f"The actor {actor} and all its descendants have failed:\n  the process this actor was running on "
+                    f"failed: {what}")
+        self.actor = actor
+        super().__init__(f"Endpoint call {call}() failed, {what}" if call else what)
 
     def __reduce__(self):
-        return SupervisionError, (self.rank, self.cause, self.detail, self.signal)
+        return SupervisionError, (self.rank, self.cause, self.detail, self.signal, self.call, self.report, self.actor)
 
 
-class MeshStoppedError(MonarchError):
-    """The mesh was stopped; spawn a new one with ``this_host().spawn_procs(...)``."""
+class MeshStoppedError(SupervisionError):
+    """The mesh was stopped (```ProcMesh` has already been stopped``); spawn a new one with
+    ``this_host().spawn_procs(...)``. A SupervisionError (and a RuntimeError), as in Monarch."""
+
+    def __init__(self, message: str):
+        MonarchError.__init__(self, message)
+        self.rank, self.cause, self.signal, self.detail, self.call, self.report = -1, "stopped", None, message, None, None
+
+    def __reduce__(self):
+        return MeshStoppedError, (str(self),)
 
 
 class UnknownEndpointError(MonarchError, AttributeError):
@@ -182,5 +283,6 @@ class UnknownEndpointError(MonarchError, AttributeError):
 def error_from_reply(info: dict, rank: int, coords: dict, actor: str, endpoint: str) -> BaseException:
     """The exception a caller sees for an error reply ``info`` (built by the proc)."""
     if info.get("supervision"):
-        return SupervisionError(rank, info.get("cause", "failed"), info.get("detail", ""), info.get("signal"))
+        return SupervisionError(rank, info.get("cause", "failed"), info.get("detail", ""), info.get("signal"),
+                                f"{actor}.{endpoint}", info.get("report"))
     return ActorError(rank, coords, actor, endpoint, info)

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from monarch_nb import Actor, current_rank, current_size, endpoint
+from monarch_nb import Actor, context, current_rank, current_size, endpoint
 
 
 class Counter(Actor):
@@ -26,12 +26,22 @@ class Counter(Actor):
 
     @endpoint
     def whoami(self) -> dict:
-        point = current_rank()
+        point = current_rank()  # the message's rank: this actor's place in the slice called
+        fixed = context().actor_instance.rank  # its place in the mesh it was spawned on
         return {"rank": point.rank, "coords": dict(point), "size": current_size(), "pid": os.getpid(),
+                "mesh_rank": fixed.rank, "mesh_coords": dict(fixed),
                 "env_rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"])}
 
+
+
+class AsyncCounter(Actor):
+    """The same with async endpoints (an actor's endpoints are all sync or all async)."""
+
+    def __init__(self, start: int = 0):
+        self.value = start
+
     @endpoint
-    async def incr_async(self, by: int = 1) -> int:
+    async def incr(self, by: int = 1) -> int:
         await asyncio.sleep(0.001)
         self.value += by
         return self.value
@@ -100,14 +110,15 @@ class Caller(Actor):
 
     @endpoint
     def call_peer_of_same_rank(self) -> int:
-        return self.peers.slice(**current_rank()).incr.call_one(by=1).get()
+        return self.peers.slice(**context().actor_instance.rank).incr.call_one(by=1).get()
 
 
 class WorkshopWorker(Actor):
     """The workshop notebook's Worker: ``work(x)`` is ``x * (rank + 1)``."""
 
+    def __init__(self):
+        self.rank = current_rank().rank  # its rank in the mesh (in an endpoint: the rank of the call)
+
     @endpoint
     def work(self, x: int) -> int:
-        from monarch_nb import current_rank
-
-        return x * (current_rank().rank + 1)
+        return x * (self.rank + 1)

@@ -11,7 +11,7 @@ from monarch_nb import ActorError, MeshStoppedError, SupervisionError, UnknownEn
 from monarch_nb.runtime.controller import Controller
 from monarch_nb.transport.serialization import SerializationError, dumps
 
-from .actors import Caller, Counter, Worker
+from .actors import AsyncCounter, Caller, Counter, Worker
 from .conftest import wait_until
 
 
@@ -31,8 +31,9 @@ def test_every_adverb(procs4):
     assert [dict(p) for p, _ in values.items()] == [{"gpus": i} for i in range(4)]
     assert counters.slice(gpus=0).incr.call_one().get(timeout=10) == 18
     assert counters.incr.choose(by=0).get(timeout=10) in (17, 18)
-    assert sorted(counters.incr.stream(by=0)) == [17, 17, 17, 18]
-    assert counters.incr_async.call(by=1).get(timeout=10).values() == [19, 18, 18, 18]
+    assert sorted(f.get(timeout=10) for f in counters.incr.stream(by=0)) == [17, 17, 17, 18]
+    async_counters = procs4.spawn("async_counters", AsyncCounter, 1)
+    assert async_counters.incr.call(by=1).get(timeout=10).values() == [2, 2, 2, 2]
 
 
 def test_call_one_on_many_is_a_clear_error(procs4):
@@ -47,11 +48,13 @@ def test_slicing_and_geometry(procs4):
     pair = counters.slice(gpus=slice(1, 3))
     assert dict(pair.extent) == {"gpus": 2}
     infos = pair.whoami.call().get(timeout=10).values()
-    assert [i["rank"] for i in infos] == [1, 2]  # the actor's rank in its mesh
+    assert [i["rank"] for i in infos] == [0, 1]  # current_rank(): the place in the slice called, as in Monarch
+    assert all(i["size"] == {"gpus": 2} for i in infos)
+    assert [i["mesh_rank"] for i in infos] == [1, 2]  # context().actor_instance.rank: the place in the mesh
     assert [i["env_rank"] for i in infos] == [1, 2]
-    assert all(i["world"] == 4 and i["size"] == {"gpus": 4} for i in infos)
+    assert all(i["world"] == 4 for i in infos)
     one = counters.slice(gpus=-1)
-    assert len(one.extent) == 0 and one.whoami.call_one().get(timeout=10)["coords"] == {"gpus": 3}
+    assert len(one.extent) == 0 and one.whoami.call_one().get(timeout=10)["mesh_coords"] == {"gpus": 3}
     flat = counters.flatten("all")
     assert dict(flat.extent) == {"all": 4}
     with pytest.raises(ValueError, match="out of range 0..3"):
@@ -138,10 +141,11 @@ def test_actor_calls_actor_with_get_inside_endpoint(procs4):
     assert callers.call_peer_of_same_rank.call().get(timeout=10).values() == [2, 2, 2, 2]
 
 
-def test_duplicate_actor_name_and_bad_constructor(procs4):
-    procs4.spawn("counters", Counter)
-    with pytest.raises(ValueError, match="already lives"):
-        procs4.spawn("counters", Counter)
+def test_same_name_twice_and_bad_constructor_arguments(procs4):
+    first = procs4.spawn("counters", Counter, 1)
+    second = procs4.spawn("counters", Counter, 10)  # as in Monarch: two meshes, one name
+    assert first.incr.call(by=0).get(timeout=10).values() == [1] * 4
+    assert second.incr.call(by=0).get(timeout=10).values() == [10] * 4
     with pytest.raises(TypeError, match="Counter.__init__"):
         procs4.spawn("c2", Counter, 1, 2, 3)
 

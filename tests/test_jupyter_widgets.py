@@ -7,9 +7,10 @@ import time
 import pytest
 
 from monarch_nb.jupyter.dashboard import TrainingDashboard
-from monarch_nb.jupyter.tree_widget import BUTTON_FAULTS, SupervisionTree
+from monarch_nb.jupyter.tree_widget import BUTTON_FAULTS, GRID_AT, SupervisionTree
 
 from .conftest import wait_until
+from .synthetic_cluster import FAILED_RANK, LOST_HOST, SyntheticController
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -84,6 +85,144 @@ def test_tree_buttons_and_bad_clicks(tree, procs4):
     tree.click("fault", 0, "explode").join(5)
     assert "unknown fault" in tree.status
     assert tree.proc_states()[0] in ("healthy", "busy")
+
+
+def _from_browser(widget, content: dict) -> None:
+    """Deliver a message as the widget's view sends it (a comm "custom" message)."""
+    widget._handle_custom_msg(content, [])
+
+
+@pytest.fixture
+def cluster_tree():
+    """The widget over a synthetic 8 hosts x 8 GPUs cluster (real records and snapshot, no processes)."""
+    controller = SyntheticController(hosts=8, per_host=8)
+    widget = SupervisionTree(controller=controller)
+    yield widget, controller
+    widget.close()
+
+
+def test_grid_at_cluster_size_shows_every_host_and_rank(cluster_tree):
+    widget, _ = cluster_tree
+    assert widget.layout == "grid"  # 64 procs > GRID_AT: one cell per rank
+    rows = widget.grid["hosts"]
+    assert [r["name"] for r in rows] == [f"host{h}" for h in range(1, 9)]
+    assert sum(len(r["cells"]) for r in rows) == 64
+    for h, row in enumerate(rows):  # each host's row holds its own 8 ranks, in order
+        assert [c["rank"] for c in row["cells"]] == list(range(8 * h, 8 * h + 8))
+        assert row["hostname"] == f"gpu-node-{h + 1:02d}" and row["load"] == pytest.approx(0.25 + 0.11 * h)
+    by_rank = {c["rank"]: c for r in rows for c in r["cells"]}
+    assert by_rank[FAILED_RANK]["state"] == "failed" and by_rank[FAILED_RANK]["cause"] == "SIGKILL"
+    assert "rank 19" in by_rank[FAILED_RANK]["title"] and "failed (SIGKILL)" in by_rank[FAILED_RANK]["title"]
+    assert {by_rank[r]["state"] for r in (3, 12, 33)} == {"busy"}
+    assert by_rank[58]["state"] == "hung" and by_rank[62]["state"] == "restarting" and by_rank[52]["state"] == "paused"
+    lost = next(r for r in rows if r["name"] == LOST_HOST)
+    assert lost["lost"] and lost["last_event"]["kind"] == "host_lost"
+    assert {c["state"] for c in lost["cells"]} == {"failed"} and {c["cause"] for c in lost["cells"]} == {"host_lost"}
+    assert [r["name"] for r in rows if r["lost"]] == [LOST_HOST]
+    assert widget.grid["counts"] == {"healthy": 49, "busy": 3, "paused": 1, "hung": 1, "failed": 9,
+                                     "restarting": 1}
+    assert any(e["kind"] == "host_lost" and e["host"] == LOST_HOST for e in widget.events)
+    assert widget.nodes == {}  # the grid sends no per-node data (heartbeat ages change every second)
+
+
+def test_a_click_on_a_cell_selects_that_rank_and_its_details_name_it(cluster_tree):
+    widget, _ = cluster_tree
+    _from_browser(widget, {"action": "select", "name": "pm0.19"})  # what a click on the cell of rank 19 sends
+    wait_until(lambda: widget.details.get("node", {}).get("rank") == FAILED_RANK, 5, message="details of rank 19")
+    details = widget.details
+    assert details["title"].startswith("rank 19 of pm0") and "host3 (gpu-node-03)" in details["title"]
+    facts = dict(details["facts"])
+    assert facts["state"] == "failed" and "SIGKILL" in facts["last failure"] and facts["coords"] == "hosts=2, gpus=3"
+    assert [a["name"] for a in details["actors"]] == ["trainers"]
+    assert details["output"][-1] == "rank 19: step 4 loss 0.400"
+    assert [e["kind"] for e in details["events"]] == ["proc_started", "proc_exited"]
+    lost = widget.select(host=LOST_HOST)  # a click on the lost host's name
+    assert lost["title"] == "host host6 (gpu-node-06) · LOST"
+    assert dict(lost["facts"])["address"] == "tcp://10.0.0.7:26600" and dict(lost["facts"])["procs"] == "8"
+    assert any(e["kind"] == "host_lost" for e in lost["events"])
+    with pytest.raises(ValueError, match="no rank 64"):
+        widget.select(64)
+
+
+def test_fault_and_restart_from_a_selected_cell(cluster_tree):
+    widget, controller = cluster_tree
+    details = widget.select(27)
+    assert details["node"]["state"] == "healthy"
+    widget.click("fault", 27, "kill").join(5)
+    wait_until(lambda: next(c for r in widget.grid["hosts"] for c in r["cells"] if c["rank"] == 27)["state"] == "failed", 5,
+               message="the cell of rank 27 failed")
+    assert widget.details["node"]["state"] == "failed" and "injected kill into rank 27" in widget.status
+    widget.click("restart", 27).join(5)
+    wait_until(lambda: widget.proc_states()[27] == "healthy" and widget.proc_node(27)["restarts"] == 1, 5,
+               message="rank 27 healthy again")
+    widget.click("fault", FAILED_RANK, "kill").join(5)  # a dead rank takes no fault: said, nothing breaks
+    assert "failed" in widget.status and "restart it first" in widget.status
+
+
+def test_a_lost_host_stays_lost_while_it_is_attached_again_until_it_is_back(cluster_tree):
+    from monarch_nb.supervision.events import Event
+    from monarch_nb.supervision.records import HostRecord, ProcState
+
+    widget, controller = cluster_tree
+
+    def row():
+        widget.refresh()
+        return next(r for r in widget.grid["hosts"] if r["name"] == LOST_HOST)
+
+    # the controller attaches it again: a new record, "starting", until its agent says hello
+    controller.hosts[LOST_HOST] = HostRecord(LOST_HOST, address=controller.hosts[LOST_HOST].address)
+    assert row()["lost"] and row()["state"] == "starting"
+    controller.hosts[LOST_HOST].state = ProcState.HEALTHY
+    controller.events.append(Event("host_returned", host=LOST_HOST, detail="attached again; its procs start fresh"))
+    back = row()
+    assert not back["lost"] and back["last_event"]["kind"] == "host_returned"
+    assert {c["state"] for c in back["cells"]} == {"failed"}  # its ranks start fresh only when restarted
+
+
+def test_the_view_toggle_and_the_threshold(cluster_tree):
+    widget, _ = cluster_tree
+    _from_browser(widget, {"action": "view", "view": "list"})  # the toolbar's toggle
+    wait_until(lambda: widget.layout == "list" and widget.nodes.get("kind") == "controller", 5, message="the list layout")
+    assert len([p for h in widget.nodes["children"] for p in h["children"]]) == 64
+    _from_browser(widget, {"action": "view", "view": "sideways"})  # a bad value is refused, the view kept
+    widget.view = "sideways"
+    assert widget.view == "list"
+    _from_browser(widget, {"action": "view", "view": "auto"})
+    wait_until(lambda: widget.layout == "grid" and widget.nodes == {}, 5, message="the grid again")
+    for hosts, per_host, layout in ((2, GRID_AT // 2, "list"), (3, 6, "grid")):  # GRID_AT procs still list
+        small = SupervisionTree(controller=SyntheticController(hosts=hosts, per_host=per_host, scenario=False))
+        try:
+            assert small.layout == layout, (hosts, per_host)
+        finally:
+            small.close()
+    with pytest.raises(ValueError, match="auto, grid, list"):
+        SupervisionTree(controller=SyntheticController(hosts=1, per_host=1), view="table")
+
+
+def test_the_grids_static_fallback(cluster_tree):
+    widget, _ = cluster_tree
+    page = widget.static_html()
+    assert page.count('class="mnb-cell"') == 64 and page.count('class="mnb-hostrow"') == 8
+    assert page.count('data-lost="true"') == 1 and 'data-name="host6" data-lost="true"' in page
+    assert 'data-rank="19" data-state="failed"' in page and "rank 19 · pm0.19 · failed (SIGKILL)" in page
+    text = [line.strip() for line in widget.static_text().splitlines()]
+    assert text[0] == "8 hosts, 64 procs: 49 healthy, 3 busy, 1 paused, 1 hung, 9 failed, 1 restarting"
+    assert "host6 (gpu-node-06) · LOST · load 0.80 · ranks 40-47: failed ranks 40-47" in text
+    assert "host3 (gpu-node-03) · healthy · load 0.47 · ranks 16-23: 7 healthy, failed rank 19" in text
+    widget.view = "list"
+    wait_until(lambda: widget.layout == "list", 5, message="the list layout")
+    assert "rank 19 · pm0.19" in widget.static_text() and 'class="mnb-cell"' not in widget.static_html()
+
+
+def test_the_grid_updates_at_most_10_hz(cluster_tree):
+    widget, controller = cluster_tree
+    wait_until(lambda: widget.updates > 0, 5, message="a first update")
+    before = widget.updates
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # a flood of events
+        controller._event("supervised", 0, "handled", "restart")
+        time.sleep(0.002)
+    assert widget.updates - before <= 12
 
 
 def test_dashboard_from_synthetic_metrics():

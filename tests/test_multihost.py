@@ -86,7 +86,7 @@ def test_a_2x2_mesh_across_namespaces_runs_every_adverb(cluster, mesh):
     assert actors.slice(hosts=1, gpus=0).add.call_one(5).get(timeout=10) == 5
     assert actors.add.choose(1).get(timeout=10) >= 1
     actors.add.broadcast(10)
-    assert sorted(actors.add.stream(0)) == sorted(actors.add.call(0).get(timeout=10).values())
+    assert sorted(f.get(timeout=10) for f in actors.add.stream(0)) == sorted(actors.add.call(0).get(timeout=10).values())
     assert actors.all_reduce.call().get(timeout=120).values() == [10.0] * 4  # gloo over the bridge
     tree = procs.tree()
     placed = {h["name"]: sorted(p["rank"] for p in h["children"] if p["kind"] == "proc") for h in find(tree, "host")}

@@ -32,15 +32,22 @@ class Target:
 
 
 class Backend(Protocol):
-    """What an actor mesh asks of the runtime. Mesh operations name proc meshes by name."""
+    """What an actor mesh asks of the runtime. Proc meshes are named by name, actor meshes by id."""
+
+    #: routing identity of this process (the owner of the ports it opens)
+    identity: str
 
     def send(
         self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
-        extent: "Extent | None", want_reply: bool = True,
-    ) -> "Future | None":
-        """Send ``actor.endpoint(*args, **kwargs)`` to each target; a Future of the result
-        (a ValueMesh over ``extent``, or one value when ``extent`` is None), None when no reply
-        is wanted. Raises SerializationError if an argument cannot be pickled."""
+        extent: "Extent | None", want_reply: bool = True, stream: bool = False, port: Any = None,
+        message_extent: "Extent | None" = None, as_endpoint: bool = False,
+    ) -> "Future | list[Future] | None":
+        """Send ``actor.endpoint(*args, **kwargs)`` to each target; a Future of the result (a
+        ValueMesh over ``extent``, or one value when ``extent`` is None), a list of Futures in
+        arrival order when ``stream``, None when no reply is wanted (or the replies go to
+        ``port``). ``message_extent``: the slice's extent, when the targets are a slice of the
+        mesh the actors were spawned on (their ``current_rank()``). Raises SerializationError if
+        an argument cannot be pickled."""
 
     def failure_of(self, proc: str) -> "SupervisionError | None":
         """The failure of proc ``proc`` as callers see it, or None while it serves."""
@@ -49,21 +56,50 @@ class Backend(Protocol):
         """True once proc mesh ``mesh`` was stopped."""
 
     def spawn_procs(
-        self, hosts: list[str], extent: "Extent", name: str | None, *, spares: int = 0, preload: Sequence[str] = ()
+        self, hosts: list[str], extent: "Extent", name: str | None, python: str = "", *, spares: int = 0,
+        preload: Sequence[str] = (),
     ) -> str:
-        """Start ``extent.nelements`` procs over ``hosts`` (and ``spares`` warm spares per host that
-        imported ``preload``); return the new proc mesh's name."""
+        """Start ``extent.nelements`` procs over ``hosts`` (with interpreter ``python``, "" for this
+        one; and ``spares`` warm spares per host that imported ``preload``); return the new proc
+        mesh's name. Blocks until they serve."""
 
     def attach_hosts(self, workers: list[str], ca: str | None) -> list[str]:
         """Attach the worker loops at ``workers``; return their host names."""
 
+    def detach_hosts(self, names: list[str]) -> None:
+        """Forget attached hosts (their job ended): their agents are told to stop, no re-attach."""
+
     def spawn_actors(
-        self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict
-    ) -> None:
-        """Construct ``cls(*args, **kwargs)`` on proc ranks ``ranks`` of ``mesh``; block until built."""
+        self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict, spawn_extent: "Extent"
+    ) -> str:
+        """Start constructing ``cls(*args, **kwargs)`` on proc ranks ``ranks`` of ``mesh`` (laid
+        out over ``spawn_extent``) and return the new actor mesh's id at once; the caller owns it.
+        A constructor that raises fails the actor (a MeshFailure to the owner).
+        Raises MeshStoppedError if the proc mesh was stopped."""
+
+    def actor_initialized(self, actor_id: str) -> "Future":
+        """A Future that completes when every rank of actor mesh ``actor_id`` is constructed
+        (ActorError if a constructor raised, SupervisionError if a proc failed)."""
+
+    def stop_actors(self, actor_id: str) -> None:
+        """Stop actor mesh ``actor_id`` on every rank (meshes its actors own first, then their
+        ``__cleanup__``); later calls to it raise SupervisionError. Idempotent."""
 
     def stop_procs(self, mesh: str) -> None:
-        """Stop every proc of ``mesh`` (idempotent)."""
+        """Stop every proc of ``mesh`` (idempotent), running their actors' ``__cleanup__`` and the
+        procs' interpreter finalizers."""
+
+    def get_or_spawn_controller(self, name: str, cls: type, args: tuple, kwargs: dict) -> "Future":
+        """A Future of the one actor mesh called ``name`` on the client's proc (spawned on first use)."""
+
+    def set_log_level(self, mesh: str, level: int) -> None:
+        """Set the level of the root Python logger on every proc of ``mesh``."""
+
+    def open_port(self, receiver: Any) -> tuple[str, str]:
+        """Register ``receiver`` (a PortReceiver) here; return (owner identity, port id)."""
+
+    def send_to_port(self, owner: str, port_id: str, ok: bool, value: Any, rank: "int | None") -> None:
+        """Deliver ``value`` (an exception when not ``ok``) to port ``port_id`` of process ``owner``."""
 
     def restart_proc(self, mesh: str, rank: int, timeout_s: float) -> None:
         """Restart rank ``rank`` of ``mesh`` in place; block until it serves again."""
@@ -79,6 +115,9 @@ class Backend(Protocol):
 
     def interrupt(self, mesh: str, rank: int, actor: str) -> None:
         """Interrupt the endpoint that actor ``actor`` runs on rank ``rank`` of ``mesh``."""
+
+    def shutdown(self) -> None:
+        """Stop every mesh this process started and release the runtime."""
 
 
 _current: Backend | None = None

@@ -1,4 +1,4 @@
-"""Actor, @endpoint, and the adverbs (call, call_one, choose, broadcast, stream) of a mesh endpoint.
+"""Actor, @endpoint, @concurrent_endpoint, and the adverbs of a mesh endpoint.
 
 Define an actor as in Monarch::
 
@@ -12,14 +12,23 @@ Define an actor as in Monarch::
             return self.value
 
 On an :class:`~monarch_nb.actor.mesh.ActorMesh`, ``counters.incr`` is an :class:`Endpoint` whose
-adverbs send the call to the mesh's members. Arguments are checked against the method's
-signature at the caller, so a wrong call raises ``TypeError`` before anything is sent.
+adverbs send the call to the mesh's members: ``call`` (a ValueMesh), ``call_one``, ``choose``,
+``stream`` (Futures in arrival order), ``broadcast`` (no reply: an exception then fails the
+actor). Arguments are checked against the method's signature at the caller, so a wrong call
+raises ``TypeError`` before anything is sent. The adverbs take the user's arguments only
+(their own parameters are positional-only), so any keyword reaches the endpoint.
+
+``@endpoint(explicit_response_port=True)`` methods take a :class:`~monarch_nb.actor.ports.Port`
+first and answer through it (callers pass the other arguments); ``@concurrent_endpoint`` (async
+methods only) lets several calls run at once on one actor. An actor's endpoints are all sync or
+all async: a class mixing them is refused at spawn.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import random
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, ParamSpec, TypeVar, overload
 
@@ -27,31 +36,51 @@ from .future import Future
 
 if TYPE_CHECKING:
     from .mesh import ActorMesh
+    from .ports import Port
     from .value_mesh import ValueMesh
 
-__all__ = ["Actor", "endpoint", "EndpointProperty", "Endpoint", "endpoints_of"]
+__all__ = ["Actor", "endpoint", "concurrent_endpoint", "as_endpoint", "EndpointProperty", "Endpoint",
+           "NotAnEndpoint", "endpoints_of", "check_actor_class", "send", "Accumulator"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+A = TypeVar("A")
 
 
 class Actor:
     """Base class of actors. Subclass it and mark remote methods with :func:`endpoint`.
 
     Optional hooks, as in Monarch:
-        ``__supervise__(self, failure) -> bool``: on the owner of a child mesh; return True if the
-            failure of a child was handled.
-        ``__cleanup__(self, exc)``: called on the proc when the actor is stopped.
+        ``__supervise__(self, failure: MeshFailure) -> bool``: called when an actor of a mesh this
+            actor spawned fails; True means handled, otherwise this actor fails too.
+        ``__cleanup__(self, exc)``: called when the actor stops (``exc`` is None, or what failed it).
     """
+
+    @functools.cached_property
+    def logger(self) -> logging.Logger:
+        """A logger named after the class, at DEBUG."""
+        logger = logging.getLogger(type(self).__name__)
+        logger.setLevel(logging.DEBUG)
+        return logger
 
 
 class EndpointProperty(Generic[P, R]):
-    """What ``@endpoint`` puts on the class. On an actor instance it is the plain bound method."""
+    """What ``@endpoint`` puts on the class. On an actor instance it is the plain bound method.
 
-    def __init__(self, fn: Callable[..., R]):
+    Attributes:
+        explicit_response_port: the method takes a reply Port first and answers through it.
+        concurrent: calls run as tasks on the actor's loop, several at once.
+        is_async: an ``async def`` method.
+    """
+
+    def __init__(self, fn: Callable[..., R], *, explicit_response_port: bool = False, concurrent: bool = False,
+                 propagate: Any = None):
         self.fn = fn
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
+        self.explicit_response_port = explicit_response_port
+        self.concurrent = concurrent
+        self.propagate = propagate
         functools.update_wrapper(self, fn)
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -66,30 +95,74 @@ class EndpointProperty(Generic[P, R]):
     def signature(self) -> inspect.Signature:
         return inspect.signature(self.fn)
 
+    @functools.cached_property
+    def _fixed(self) -> int:
+        """Leading parameters the runtime fills: self, and the port of an explicit-port endpoint."""
+        return 2 if self.explicit_response_port else 1
+
+    @functools.cached_property
+    def _takes_nothing_more(self) -> bool:
+        """No parameter beyond the fixed ones is required: a call with no arguments fits."""
+        params = list(self.signature.parameters.values())[self._fixed:]
+        return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and \
+            len(self.signature.parameters) >= self._fixed
+
     def check_arguments(self, owner: str, args: tuple, kwargs: dict) -> None:
         """Raise TypeError naming the endpoint if ``(args, kwargs)`` do not fit its signature."""
+        if not args and not kwargs and self._takes_nothing_more:
+            return
         try:
-            self.signature.bind(None, *args, **kwargs)
+            self.signature.bind(*((None,) * self._fixed), *args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"{owner}.{self.name}{_public_signature(self.signature)}: {exc}") from None
+            raise TypeError(f"{owner}.{self.name}{self.public_signature()}: {exc}") from None
 
-
-def _public_signature(sig: inspect.Signature) -> str:
-    params = list(sig.parameters.values())[1:]  # drop self
-    return str(sig.replace(parameters=params))
+    def public_signature(self) -> str:
+        params = list(self.signature.parameters.values())[self._fixed:]
+        return str(self.signature.replace(parameters=params))
 
 
 @overload
 def endpoint(fn: Callable[..., R]) -> EndpointProperty[..., R]: ...
 @overload
-def endpoint(*, propagate: Any = None) -> Callable[[Callable[..., R]], EndpointProperty[..., R]]: ...
+def endpoint(*, propagate: Any = None, explicit_response_port: bool = False,
+             instrument: bool = True) -> Callable[[Callable[..., R]], EndpointProperty[..., R]]: ...
 
 
-def endpoint(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
-    """Mark an actor method (sync or ``async def``) as callable from other processes."""
-    if fn is None:
-        return lambda f: EndpointProperty(f)
-    return EndpointProperty(fn)
+def endpoint(fn: Callable[..., Any] | None = None, *, propagate: Any = None, explicit_response_port: bool = False,
+             instrument: bool = True) -> Any:
+    """Mark an actor method (sync or ``async def``) as callable from other processes.
+
+    Args:
+        explicit_response_port: the method's first parameter (after self) is a Port; the caller's
+            Future gets what the method sends through it (``port.send(v)``), the method's return
+            value is dropped, and an exception it raises fails the actor.
+        propagate, instrument: accepted for Monarch compatibility; no effect.
+    """
+    def wrap(f: Callable[..., Any]) -> EndpointProperty:
+        if isinstance(f, EndpointProperty):
+            return f
+        return EndpointProperty(f, explicit_response_port=explicit_response_port, propagate=propagate)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def concurrent_endpoint(fn: Callable[..., Any] | None = None, *, propagate: Any = None,
+                        explicit_response_port: bool = False, instrument: bool = True) -> Any:
+    """Like :func:`endpoint`, for ``async def`` methods whose calls may run at once on one actor:
+    each call is a task on the actor's loop, and the actor handles its next message meanwhile.
+    Tasks still running when the actor stops are cancelled before ``__cleanup__``.
+
+    Raises:
+        ValueError: the method is not ``async def``, or is already an ``@endpoint``.
+    """
+    def wrap(f: Callable[..., Any]) -> EndpointProperty:
+        if isinstance(f, EndpointProperty):
+            raise ValueError("concurrent_endpoint does not wrap @endpoint; pass endpoint options to @concurrent_endpoint")
+        if not inspect.iscoroutinefunction(f):
+            raise ValueError("concurrent_endpoint can only wrap async endpoints (async def)")
+        return EndpointProperty(f, explicit_response_port=explicit_response_port, concurrent=True, propagate=propagate)
+
+    return wrap if fn is None else wrap(fn)
 
 
 def endpoints_of(cls: type) -> dict[str, EndpointProperty]:
@@ -102,27 +175,72 @@ def endpoints_of(cls: type) -> dict[str, EndpointProperty]:
     return found
 
 
+def _user_method(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if klass is Actor or klass is object:
+            return None
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def check_actor_class(cls: type) -> None:
+    """Refuse, as Monarch does, an actor class that mixes sync and async endpoints (or a
+    ``__cleanup__`` / ``__supervise__`` of the other kind).
+
+    Raises:
+        ValueError: the message lists the sync and the async members.
+    """
+    sync, asynchronous = [], []
+    for name, prop in endpoints_of(cls).items():
+        (asynchronous if prop.is_async or prop.concurrent else sync).append(name)
+    if sync and asynchronous:
+        raise ValueError(
+            f"{cls} mixes both async and sync endpoints.Synchronous endpoints cannot be mixed with asynchronous "
+            f"ones in one actor: make them all `def` or all `async def` (sync: {sorted(sync)} async: {sorted(asynchronous)})"
+        )
+    cleanup = _user_method(cls, "__cleanup__")
+    if cleanup is not None and (sync or asynchronous) and inspect.iscoroutinefunction(cleanup) != bool(asynchronous):
+        kind = "async" if asynchronous else "sync"
+        raise ValueError(f"{cls} has {kind} endpoints, so its __cleanup__ must be {kind} too")
+    supervise = _user_method(cls, "__supervise__")
+    if supervise is not None and sync and inspect.iscoroutinefunction(supervise):
+        raise ValueError(f"{cls} has sync endpoints, so its __supervise__ must be sync too")
+
+
+def is_async_actor(cls: type) -> bool:
+    """True if the actor's endpoints (or hooks) are ``async def``: it gets an asyncio loop."""
+    if any(p.is_async or p.concurrent for p in endpoints_of(cls).values()):
+        return True
+    return any(inspect.iscoroutinefunction(_user_method(cls, h)) for h in ("__cleanup__", "__supervise__")
+               if _user_method(cls, h) is not None)
+
+
 class Endpoint(Generic[P, R]):
     """An endpoint of an actor mesh; choose how to call it with an adverb."""
 
-    def __init__(self, mesh: "ActorMesh", prop: EndpointProperty):
+    def __init__(self, mesh: "ActorMesh", prop: EndpointProperty, as_endpoint: bool = False):
         self._mesh = mesh
         self._prop = prop
+        self._as_endpoint = as_endpoint
         self.name = prop.name
 
     def _check(self, args: tuple, kwargs: dict) -> None:
         self._prop.check_arguments(self._mesh._cls.__name__, args, kwargs)
 
-    def call(self, *args: P.args, **kwargs: P.kwargs) -> "Future[ValueMesh[R]]":
+    def _send(self, args: tuple, kwargs: dict, **how: Any) -> Any:
+        return self._mesh._send(self.name, args, kwargs, as_endpoint=self._as_endpoint, **how)
+
+    def call(self, /, *args: P.args, **kwargs: P.kwargs) -> "Future[ValueMesh[R]]":
         """Call every member; the future's value is a ValueMesh with the mesh's dims.
 
-        Raises (from ``get``): ActorError if any member raised, SupervisionError if a member's proc
-        failed; the first by rank, with the others in ``.others``.
+        Raises (from ``get``): ActorError if any member raised, SupervisionError if a member (or
+        its proc) failed; the first by rank, with the others' ActorErrors in ``.others``.
         """
         self._check(args, kwargs)
-        return self._mesh._send(self.name, args, kwargs, targets=None, single=False)
+        return self._send(args, kwargs, targets=None, single=False)
 
-    def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+    def call_one(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call the only member of a mesh of size 1.
 
         Raises:
@@ -131,33 +249,30 @@ class Endpoint(Generic[P, R]):
         size = len(self._mesh._shape)
         if size != 1:
             raise ValueError(
-                f"call_one needs a mesh of exactly 1 actor, this one has {size} "
+                f"call_one requires exactly 1 actor, but mesh has {size} "
                 f"(dims {dict(self._mesh.extent)}); slice it first, e.g. .slice(**{{...: 0}}), or use call()"
             )
         self._check(args, kwargs)
-        return self._mesh._send(self.name, args, kwargs, targets=None, single=True)
+        return self._send(args, kwargs, targets=None, single=True)
 
-    def choose(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+    def choose(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call one member, picked at random among the live ones (load balancing)."""
         self._check(args, kwargs)
         index = random.choice(self._mesh._live_indices())
-        return self._mesh._send(self.name, args, kwargs, targets=[index], single=True)
+        return self._send(args, kwargs, targets=[index], single=True)
 
-    def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
-        """Send to every member without waiting for replies. FIFO per sender, like every call."""
+    def broadcast(self, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        """Send to every member without waiting for replies. FIFO per sender, like every call.
+        There is no reply to carry an error: an exception in the endpoint fails the actor (its
+        owner's ``__supervise__`` or the fault hook is told)."""
         self._check(args, kwargs)
-        self._mesh._send(self.name, args, kwargs, targets=None, single=False, want_reply=False)
+        self._send(args, kwargs, targets=None, single=False, want_reply=False)
 
-    def stream(self, *args: P.args, **kwargs: P.kwargs) -> Iterator[R]:
-        """Call every member; yield each value as it arrives (completion order).
-
-        Raises (while iterating): the member's ActorError or SupervisionError.
-        """
+    def stream(self, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[Future[R]]:
+        """Call every member; yield one Future per member: the n-th resolves to the n-th reply to
+        arrive (``[await f for f in mesh.ep.stream()]``)."""
         self._check(args, kwargs)
-        futures = [
-            self._mesh._send(self.name, args, kwargs, targets=[i], single=True) for i in range(len(self._mesh._shape))
-        ]
-        return _as_completed(futures)
+        return iter(self._send(args, kwargs, targets=None, single=False, stream=True))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
@@ -166,12 +281,99 @@ class Endpoint(Generic[P, R]):
         )
 
     def __repr__(self) -> str:
-        return f"<Endpoint {self._mesh._name}.{self.name}{_public_signature(self._prop.signature)}>"
+        return f"<Endpoint {self._mesh._name}.{self.name}{self._prop.public_signature()}>"
 
 
-def _as_completed(futures: list[Future]) -> Iterator[Any]:
-    import concurrent.futures
+class NotAnEndpoint:
+    """``mesh.method`` for a method not marked ``@endpoint``: wrap it with :func:`as_endpoint`."""
 
-    by_inner = {f._inner: f for f in futures}
-    for inner in concurrent.futures.as_completed(by_inner):
-        yield by_inner[inner].get()
+    def __init__(self, mesh: "ActorMesh", name: str, fn: Callable[..., Any]):
+        self._mesh = mesh
+        self._name = name
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Actor {self._mesh._cls}.{self._name} is not annotated as an endpoint. To call it as one, add a "
+            f"@endpoint decorator to it, or directly wrap it in one as_endpoint(obj.method).call(...)"
+        )
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in ("call", "call_one", "choose", "broadcast", "stream"):
+            self()
+        raise AttributeError(attr)
+
+
+def as_endpoint(not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint:
+    """Call a method of a spawned actor that is not marked ``@endpoint``:
+    ``as_endpoint(mesh.method).call(...)``.
+
+    Raises:
+        ValueError: not a method of a spawned actor mesh.
+    """
+    if not isinstance(not_an_endpoint, NotAnEndpoint):
+        raise ValueError("expected an method of a spawned actor")
+    prop = EndpointProperty(not_an_endpoint._fn, explicit_response_port=explicit_response_port, propagate=propagate)
+    prop.name = not_an_endpoint._name
+    return Endpoint(not_an_endpoint._mesh, prop, as_endpoint=True)
+
+
+def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: "Port | None" = None, selection: str = "all") -> None:
+    """Low-level send of ``endpoint(*args, **kwargs)``.
+
+    Args:
+        port: where each selected actor's reply goes (tagged with its rank: open it with
+            ``Channel.open_ranked()`` to see them); an ActorError goes there too. None: no reply,
+            and an exception fails the actor, as with ``broadcast``.
+        selection: ``"all"`` members or ``"choose"`` one at random.
+
+    Raises:
+        ValueError: an unknown selection.
+        TypeError: the arguments do not fit the endpoint.
+    """
+    if selection not in ("all", "choose"):
+        raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+    endpoint._check(tuple(args), dict(kwargs))
+    targets = [random.choice(endpoint._mesh._live_indices())] if selection == "choose" else None
+    endpoint._send(tuple(args), dict(kwargs), targets=targets, single=False, want_reply=port is not None, port=port)
+
+
+class Accumulator(Generic[P, R, A]):
+    """Fold the replies of every member of a mesh: ``Accumulator(mesh.value, 0, operator.add)``.
+
+    ``accumulate(*args, **kwargs)`` calls the endpoint on every member (as ``stream``) and returns a
+    Future of ``combine(...combine(combine(identity, r1), r2)..., rn)`` over the replies in arrival
+    order (``identity`` for an empty mesh). ``combine`` runs on the runtime's thread that receives
+    the last reply needed, so it should be quick.
+    """
+
+    def __init__(self, endpoint: Endpoint, identity: A, combine: Callable[[A, R], A]):
+        self._endpoint = endpoint
+        self._identity = identity
+        self._combine = combine
+
+    def accumulate(self, /, *args: Any, **kwargs: Any) -> Future[A]:
+        futures = list(self._endpoint.stream(*args, **kwargs))
+        result: Future = Future()
+        if not futures:
+            result._inner.set_result(self._identity)
+            return result
+        state = {"value": self._identity, "left": len(futures)}
+
+        def fold(fut: Future) -> None:
+            if result.done():
+                return
+            try:
+                state["value"] = self._combine(state["value"], fut.get())
+            except BaseException as exc:  # noqa: BLE001 - the reply's error or combine's
+                if not result.done():
+                    result._inner.set_exception(exc)
+                return
+            state["left"] -= 1
+            if state["left"] == 0:
+                result._inner.set_result(state["value"])
+
+        # the n-th stream Future resolves n-th, so chaining keeps the fold in arrival order
+        for fut in futures:
+            fut.add_done_callback(fold)
+        return result

@@ -1,14 +1,19 @@
-"""Future: the result of an adverb (``call``, ``call_one``, ``choose``), usable sync or async.
+"""Future: the result of an adverb (``call``, ``call_one``, ``choose``, ...), usable sync or async.
 
 ``fut.get(timeout)`` blocks; ``await fut`` suspends an async endpoint or a notebook cell
-(IPython runs top-level ``await``); ``result``/``exception``/``done`` read its state.
+(IPython runs top-level ``await``); ``result``/``exception``/``done`` read its state. A ``get``
+that times out leaves the call pending, as ``concurrent.futures.Future.result(timeout)`` does: a
+later ``get``, ``await`` or ``done()`` sees the reply when it comes. Dropping a call is a separate,
+explicit act: :meth:`Future.cancel`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-from typing import Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["Future"]
 
@@ -16,19 +21,23 @@ R = TypeVar("R")
 
 
 class Future(Generic[R]):
-    """The eventual value of a remote call.
+    """The eventual value of a remote call (or of a stop, a port receive, an accumulation).
 
     Args:
         inner: the ``concurrent.futures.Future`` the runtime completes.
-        on_timeout: called with no arguments when :meth:`get` times out, so the runtime can stop
-            tracking the call (a late reply is then dropped).
+        on_cancel: called with no arguments by :meth:`cancel`, so the runtime forgets the call
+            (a late reply is then dropped).
+        lead: ``lead(done, timeout)``: the runtime's way to receive on the waiting thread itself
+            (so the reply wakes the thread that waits for it); True once ``done()`` holds.
     """
 
-    __slots__ = ("_inner", "_on_timeout")
+    __slots__ = ("_inner", "_on_cancel", "_lead")
 
-    def __init__(self, inner: concurrent.futures.Future | None = None, on_timeout: Callable[[], None] | None = None):
+    def __init__(self, inner: concurrent.futures.Future | None = None, on_cancel: Callable[[], None] | None = None,
+                 lead: Callable[..., bool] | None = None):
         self._inner = inner if inner is not None else concurrent.futures.Future()
-        self._on_timeout = on_timeout
+        self._on_cancel = on_cancel
+        self._lead = lead
 
     @classmethod
     def completed(cls, value: Any = None, error: BaseException | None = None) -> "Future":
@@ -46,37 +55,70 @@ class Future(Generic[R]):
             timeout: seconds to wait; None waits forever.
 
         Raises:
-            TimeoutError: no reply within ``timeout``; the mesh stays usable.
+            TimeoutError: no reply within ``timeout``; the call stays pending (get it again later,
+                or :meth:`cancel` it) and the mesh stays usable.
             ActorError: the endpoint raised on a rank.
-            SupervisionError: a rank holding the actor failed.
+            SupervisionError: the actor, or a proc holding it, failed.
+            concurrent.futures.CancelledError: the call was cancelled.
         """
+        inner = self._inner
+        wait = timeout
+        if self._lead is not None and not inner.done():
+            self._lead(inner.done, timeout)
+            if not inner.done() and timeout is not None:
+                wait = 0  # the wait already took its time
         try:
-            return self._inner.result(timeout)
+            return inner.result(wait)
         except concurrent.futures.TimeoutError:
-            if self._on_timeout is not None:
-                self._on_timeout()
-            raise TimeoutError(f"no reply within {timeout} s; the mesh is still usable") from None
+            raise TimeoutError(f"no reply within {timeout} s; the call is still pending "
+                               "(get it again, or cancel() it); the mesh is still usable") from None
 
     def result(self, timeout: float | None = None) -> R:
         """Same as :meth:`get`."""
         return self.get(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The error the call ended with, or None; waits like :meth:`get`."""
+        """The error the call ended with, or None; waits like :meth:`get`.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` (the call stays pending).
+        """
         try:
             return self._inner.exception(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"no reply within {timeout} s") from None
+            raise TimeoutError(f"no reply within {timeout} s; the call is still pending") from None
 
     def done(self) -> bool:
+        """True once the value or the error is there (or the call was cancelled)."""
         return self._inner.done()
 
+    def cancel(self) -> bool:
+        """Drop the call: stop waiting for it, drop its reply if one comes, make ``get`` raise
+        ``concurrent.futures.CancelledError``. Returns False if it had already finished.
+
+        The remote endpoint is not interrupted (it may already be running)."""
+        if self._inner.done():
+            return False
+        if self._on_cancel is not None:
+            self._on_cancel()
+        return self._inner.cancel()
+
+    def cancelled(self) -> bool:
+        return self._inner.cancelled()
+
     def add_done_callback(self, fn: Callable[["Future"], None]) -> None:
+        """Call ``fn(self)`` when done (at once if done; else on the thread that completes it)."""
         self._inner.add_done_callback(lambda _inner: fn(self))
 
+    def as_asyncio(self) -> "asyncio.Future":
+        """An asyncio Future on the running loop that completes with this one."""
+        import asyncio  # only where awaited: `import monarch_nb` stays light
+
+        return asyncio.wrap_future(self._inner)
+
     def __await__(self):
-        return asyncio.wrap_future(self._inner).__await__()
+        return self.as_asyncio().__await__()
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        state = "cancelled" if self._inner.cancelled() else "done" if self.done() else "pending"
         return f"<Future {state}>"

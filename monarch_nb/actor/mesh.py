@@ -9,18 +9,27 @@ actor meshes can be passed to other actors, which then call them directly.
 
 from __future__ import annotations
 
-from typing import Any, Generic, Sequence, TypeVar
+import logging
+from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
 
 from ..errors import MeshStoppedError, UnknownEndpointError
 from ..supervision.policy import SupervisionPolicy
 from ..supervision.records import proc_identity
 from . import backend
 from .backend import Target
-from .endpoint import Endpoint, EndpointProperty, endpoints_of
+from .context import CLIENT_MESH
+from .endpoint import Endpoint, EndpointProperty, NotAnEndpoint, check_actor_class, endpoints_of
+from .failure import note_client_loop
 from .future import Future
 from .shape import Extent, Shape
 
+if TYPE_CHECKING:
+    from .ports import Port
+
 __all__ = ["MeshBase", "HostMesh", "ProcMesh", "ActorMesh", "proc_identity"]
+
+#: ActorMesh's own attributes: an endpoint may not take one of these names.
+_MESH_ATTRIBUTES = {"stop", "initialized", "slice", "flatten", "size", "sizes", "extent", "name", "split", "rename"}
 
 A = TypeVar("A")
 
@@ -36,8 +45,9 @@ class MeshBase:
         return self._shape.extent
 
     @property
-    def sizes(self) -> list[int]:
-        return self._shape.extent.sizes
+    def sizes(self) -> dict[str, int]:
+        """dim -> size (a dict, as in Monarch)."""
+        return dict(self._shape.extent)
 
     def size(self, dim: str | Sequence[str] | None = None) -> int:
         """Number of members, over all dims or over ``dim`` (a name or several).
@@ -77,31 +87,44 @@ class MeshBase:
 class HostMesh(MeshBase):
     """Hosts that can run procs. ``this_host()`` is the local one."""
 
-    def __init__(self, hosts: list[str], shape: Shape | None = None):
+    def __init__(self, hosts: list[str], shape: Shape | None = None, python: str = ""):
         self._hosts = hosts
         self._shape = shape or (Shape(Extent({"hosts": len(hosts)})) if len(hosts) > 1 else Shape(Extent({})))
+        self._python = python
 
     def _with_shape(self, shape: Shape) -> "HostMesh":
-        return HostMesh(self._hosts, shape)
+        return HostMesh(self._hosts, shape, self._python)
 
     @property
     def host_names(self) -> list[str]:
         """The names of this mesh's hosts (as the supervision tree shows them), in rank order."""
         return [self._hosts[r] for r in self._shape.ranks]
 
+    @property
+    def is_fake_in_process(self) -> bool:
+        """False: procs of a HostMesh are real OS processes."""
+        return False
+
+    def with_python_executable(self, python_executable: str) -> "HostMesh":
+        """The same hosts, whose procs start with ``python_executable`` (a wrapper script that
+        execs Python works); procs spawned by those procs' actors use it too."""
+        return HostMesh(self._hosts, self._shape, python_executable)
+
     def spawn_procs(
-        self, per_host: dict[str, int] | None = None, *, name: str | None = None, spares: int = 0,
-        preload: Sequence[str] = (),
+        self, per_host: dict[str, int] | None = None, bootstrap: Any = None, *, name: str | None = None,
+        spares: int = 0, preload: Sequence[str] = (),
     ) -> "ProcMesh":
         """Start worker processes on each host, ``per_host`` giving their dims (``{"gpus": 4}``).
+        Blocks until they serve (about half a second for 4 procs).
 
         Each proc's environment is the controller's at this call plus torchrun's variables (RANK,
         LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT of a
         rendezvous store the controller holds) and its coordinates; on a GPU host, one visible
-        device each.
+        device each. Inside an actor the new procs are owned by that actor (stopped with it).
 
         Args:
             per_host: dims of the procs on each host, e.g. ``{"gpus": 4}``.
+            bootstrap: not supported (Monarch's; run that code in an actor's ``__init__``).
             name: the proc mesh's name (default ``pm0``, ``pm1``, ...).
             spares: warm spare procs to keep per host. A spare has already started and imported
                 ``preload``; ``restart(rank)`` hands it the rank (same rank and coordinates, new
@@ -112,22 +135,27 @@ class HostMesh(MeshBase):
             ValueError: a bad ``per_host`` (dims must be identifiers with positive int sizes) or
                 a negative ``spares``.
             RuntimeError: a proc failed to start; the message holds its output.
+            NotImplementedError: ``bootstrap`` (run it in an actor's constructor instead).
         """
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ValueError(f"spares must be an int >= 0, got {spares!r}")
+        if bootstrap is not None:
+            raise NotImplementedError("spawn_procs(bootstrap=...) is not supported; run that code in an actor's __init__")
+        note_client_loop()
         dims = dict(per_host or {})
         if len(self._shape.extent):
             dims = {**dict(self._shape.extent), **dims}
         extent = Extent(dims)
         hosts = [self._hosts[r] for r in self._shape.ranks]
-        return ProcMesh(backend.current().spawn_procs(hosts, extent, name, spares=spares, preload=tuple(preload)), extent)
+        return ProcMesh(backend.current().spawn_procs(hosts, extent, name, self._python, spares=spares,
+                                                      preload=tuple(preload)), extent)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts} {dict(self.extent)}>"
 
 
 class ProcMesh(MeshBase):
-    """Worker processes with named dims. Use as a context manager to stop them on exit."""
+    """Worker processes with named dims. ``async with`` (or ``with``) stops them on exit."""
 
     def __init__(self, name: str, root: Extent, shape: Shape | None = None):
         self._name = name
@@ -141,13 +169,29 @@ class ProcMesh(MeshBase):
     def name(self) -> str:
         return self._name
 
-    def spawn(self, name: str, cls: type[A], *args: Any, **kwargs: Any) -> "ActorMesh[A]":
-        """Construct ``cls(*args, **kwargs)`` on every proc of this mesh; block until all are built.
+    @property
+    def initialized(self) -> Future:
+        """A Future of True: the procs serve (``spawn_procs`` returns once they do)."""
+        return Future.completed(True)
+
+    @property
+    def host_mesh(self) -> HostMesh:
+        """The host of these procs (this machine)."""
+        return HostMesh(["localhost"])
+
+    def spawn(self, name: str, cls: type[A], /, *args: Any, **kwargs: Any) -> "ActorMesh[A]":
+        """Start constructing ``cls(*args, **kwargs)`` on every proc of this mesh; return at once.
+
+        Calls on the returned mesh queue behind the construction. A constructor that raises
+        fails that actor: its owner (the actor or client calling ``spawn``) is told with a
+        MeshFailure (``__supervise__`` or ``monarch_nb.actor.unhandled_fault_hook``), and calls
+        to the mesh raise SupervisionError; ``mesh.initialized.get()`` waits for construction and
+        raises the constructor's ActorError. The same name may be spawned again.
 
         Raises:
             TypeError: ``cls`` is not an Actor subclass, or the arguments do not fit its constructor.
-            ValueError: an actor mesh called ``name`` already lives on these procs.
-            ActorError: a constructor raised on some rank.
+            ValueError: ``cls`` mixes sync and async endpoints, or an endpoint is named like an
+                ActorMesh attribute (``stop``, ``slice``, ...).
             MeshStoppedError: the proc mesh was stopped.
         """
         from .endpoint import Actor
@@ -156,16 +200,49 @@ class ProcMesh(MeshBase):
             raise TypeError(f"spawn needs an Actor subclass, got {cls!r}")
         if not isinstance(name, str) or not name:
             raise ValueError("an actor mesh needs a non-empty name")
+        check_actor_class(cls)
+        clash = _MESH_ATTRIBUTES & set(endpoints_of(cls))
+        if clash:
+            raise ValueError(f"ActorMesh has an attribute that collides with an endpoint name: {sorted(clash)}")
         EndpointProperty(cls.__init__).check_arguments(cls.__name__, args, kwargs)
-        ranks = list(self._shape.ranks)
-        backend.current().spawn_actors(self._name, ranks, name, cls, args, kwargs)
-        return ActorMesh(name, cls, self._name, self._root, self._shape)
+        note_client_loop()
+        actor_id = backend.current().spawn_actors(self._name, list(self._shape.ranks), name, cls, args, kwargs, self._shape.extent)
+        return ActorMesh(name, cls, self._name, self._root, self._shape, actor_id=actor_id)
 
-    def stop(self) -> None:
-        """Stop every proc of this mesh (its actors' ``__cleanup__`` runs first). Idempotent."""
-        backend.current().stop_procs(self._name)
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop every proc of this mesh: the actors' meshes' owned meshes first, then each
+        actor's ``__cleanup__``, then the procs exit through normal interpreter finalization
+        (module finalizers run). Returns a completed Future (``await procs.stop()`` and
+        ``procs.stop().get()`` both work). Idempotent.
 
-    def inject(self, rank: int, kind: str, **params: Any) -> None:
+        Raises:
+            ValueError: this is a slice (stop the mesh it came from), or the client's own proc.
+        """
+        if self._name == CLIENT_MESH:
+            raise ValueError("the client's own proc cannot be stopped; stop the actors on it instead")
+        if len(self._shape) != self._root.nelements:
+            raise ValueError("ProcMesh is not owned; must be stopped by an owner (stop the mesh this slice came from)")
+        try:
+            backend.current().stop_procs(self._name)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the Future
+            return Future.completed(error=exc)
+        return Future.completed(None)
+
+    async def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None,
+                             level: int = logging.INFO) -> None:
+        """Set the level of the procs' root Python logger (``await procs.logging_option(level=...)``).
+
+        Worker output always streams to the client, each line prefixed with its rank;
+        ``stream_to_client`` and ``aggregate_window_sec`` are accepted for Monarch compatibility.
+
+        Raises:
+            ValueError: an aggregation window without streaming.
+        """
+        if aggregate_window_sec is not None and not stream_to_client:
+            raise ValueError("aggregate_window_sec needs stream_to_client=True")
+        backend.current().set_log_level(self._name, int(level))
+
+    def inject(self, rank: int, kind: str, /, **params: Any) -> None:
         """Make fault ``kind`` happen on the proc at flat ``rank`` (a real SIGKILL, SIGSTOP, ...).
 
         Kinds and their parameters: kill, segfault, exit(code), hang, stall(seconds), raise,
@@ -177,6 +254,7 @@ class ProcMesh(MeshBase):
             ValueError: bad kind or params, or a rank outside the mesh.
             RuntimeError: the proc is not alive (already dead, stopped or restarting).
         """
+        note_client_loop()
         backend.current().inject(self._name, rank, kind, params)
 
     def restart(self, rank: int, timeout_s: float = 30.0) -> None:
@@ -197,9 +275,10 @@ class ProcMesh(MeshBase):
         """Set how failures of this mesh's procs are handled (the whole mesh, also from a slice).
 
         Args:
-            policy: ``"escalate"`` (default: calls to the failed rank raise ``SupervisionError``),
-                ``"restart"`` (restart it in place after a backoff, up to ``max_restarts`` times per
-                rank, then escalate) or ``"isolate"`` (continue without it).
+            policy: ``"escalate"`` (default: calls to the failed rank raise ``SupervisionError``
+                and the owners of its actors get a MeshFailure), ``"restart"`` (restart it in place
+                after a backoff, up to ``max_restarts`` times per rank, then escalate) or
+                ``"isolate"`` (continue without it).
             max_restarts: automatic restarts allowed per rank.
             backoff_s: seconds before a rank's first automatic restart; doubles each time.
             backoff_max_s: cap of the backoff, seconds.
@@ -232,6 +311,14 @@ class ProcMesh(MeshBase):
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    async def __aenter__(self) -> "ProcMesh":
+        if backend.current().mesh_stopped(self._name):
+            raise MeshStoppedError("`ProcMesh` has already been stopped")
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.stop()
+
     def _proc_identities(self) -> list[str]:
         return [proc_identity(self._name, r) for r in self._shape.ranks]
 
@@ -243,25 +330,38 @@ class ActorMesh(MeshBase, Generic[A]):
     """Actors of one class, one per proc of a proc mesh (or of a slice of it).
 
     Attribute access gives the class's endpoints: ``mesh.incr.call(by=2)``. An unknown name raises
-    :class:`~monarch_nb.errors.UnknownEndpointError` listing the endpoints there are.
+    :class:`~monarch_nb.errors.UnknownEndpointError` listing the endpoints there are. Picklable:
+    pass it to another actor, which can then call it (and slice it).
+
+    Attributes:
+        name: the name given to ``spawn``.
     """
 
-    def __init__(self, name: str, cls: type, proc_mesh: str, root: Extent, shape: Shape):
+    def __init__(self, name: str, cls: type, proc_mesh: str, root: Extent, shape: Shape, *,
+                 actor_id: str | None = None, spawn_shape: Shape | None = None):
         self._name = name
+        self._id = actor_id or name
         self._cls = cls
         self._proc_mesh = proc_mesh
         self._root = root
         self._shape = shape
+        self._spawn = spawn_shape or shape
         self._endpoints = endpoints_of(cls)
+        self._target_list: list[Target] | None = None
+        self._display = f"{cls.__module__}.{cls.__qualname__} {name}"  # for failure texts
+        self._sliced = not (self._shape.ranks == self._spawn.ranks and dict(self._shape.extent) == dict(self._spawn.extent))
 
     def _with_shape(self, shape: Shape) -> "ActorMesh[A]":
-        return ActorMesh(self._name, self._cls, self._proc_mesh, self._root, shape)
+        return ActorMesh(self._name, self._cls, self._proc_mesh, self._root, shape, actor_id=self._id, spawn_shape=self._spawn)
 
-    def __getattr__(self, attr: str) -> Endpoint:
+    def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):
             raise AttributeError(attr)
         prop = self._endpoints.get(attr)
         if prop is None:
+            plain = getattr(self._cls, attr, None)
+            if callable(plain):
+                return NotAnEndpoint(self, attr, plain)
             raise UnknownEndpointError(
                 f"{self._cls.__name__} has no endpoint {attr!r}; its endpoints are "
                 f"{sorted(self._endpoints) or 'none'} (mark methods with @endpoint)"
@@ -272,16 +372,37 @@ class ActorMesh(MeshBase, Generic[A]):
         return sorted(set(super().__dir__()) | set(self._endpoints))
 
     def __reduce__(self):
-        return ActorMesh, (self._name, self._cls, self._proc_mesh, self._root, self._shape)
+        return _rebuild_actor_mesh, (self._name, self._cls, self._proc_mesh, self._root, self._shape, self._id, self._spawn)
 
     @property
     def name(self) -> str:
         return self._name
 
+    @property
+    def initialized(self) -> Future[None]:
+        """A Future that completes when every actor of the mesh is constructed.
+
+        Raises (from ``get``): ActorError if a constructor raised, SupervisionError if a proc failed,
+        MeshStoppedError if the proc mesh was stopped."""
+        return backend.current().actor_initialized(self._id)
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop these actors on every rank: meshes they own first, then their ``__cleanup__``.
+        Later calls raise SupervisionError (the actor "was stopped"); other actor meshes on the
+        same procs are not affected. Returns a completed Future. Idempotent."""
+        try:
+            backend.current().stop_actors(self._id)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the Future
+            return Future.completed(error=exc)
+        return Future.completed(None)
+
     def _targets(self) -> list[Target]:
-        return [
-            Target(proc_identity(self._proc_mesh, g), g, dict(self._root.point(g))) for g in self._shape.ranks
-        ]
+        targets = self._target_list
+        if targets is None:
+            targets = self._target_list = [
+                Target(proc_identity(self._proc_mesh, g), g, dict(self._root.point(g))) for g in self._shape.ranks
+            ]
+        return targets
 
     def _live_indices(self) -> list[int]:
         runtime = backend.current()
@@ -289,18 +410,29 @@ class ActorMesh(MeshBase, Generic[A]):
         return live or list(range(len(self._shape)))
 
     def _send(
-        self, endpoint: str, args: tuple, kwargs: dict, *, targets: list[int] | None, single: bool, want_reply: bool = True
-    ) -> Future | None:
+        self, endpoint: str, args: tuple, kwargs: dict, *, targets: list[int] | None, single: bool,
+        want_reply: bool = True, stream: bool = False, port: "Port | None" = None, as_endpoint: bool = False,
+    ) -> Any:
         runtime = backend.current()
         if runtime.mesh_stopped(self._proc_mesh):
             raise MeshStoppedError(
-                f"proc mesh {self._proc_mesh!r} was stopped; spawn a new one with this_host().spawn_procs(...)"
+                f"Endpoint call {self._name}.{endpoint}() failed, actor mesh is stopped due to proc mesh shutdown: "
+                f"`ProcMesh` {self._proc_mesh!r} has already been stopped; spawn a new one with this_host().spawn_procs(...)"
             )
         everyone = self._targets()
         chosen = everyone if targets is None else [everyone[i] for i in targets]
+        message = None
+        if self._sliced:
+            message = (self._shape.extent, list(range(len(everyone))) if targets is None else list(targets))
+        note_client_loop()
         return runtime.send(
-            chosen, self._name, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply
+            chosen, self._id, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply,
+            stream=stream, port=port, message_extent=message, as_endpoint=as_endpoint, display=self._display,
         )
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name}: {self._cls.__name__} {dict(self.extent)} on {self._proc_mesh}>"
+
+
+def _rebuild_actor_mesh(name, cls, proc_mesh, root, shape, actor_id, spawn_shape) -> ActorMesh:
+    return ActorMesh(name, cls, proc_mesh, root, shape, actor_id=actor_id, spawn_shape=spawn_shape)

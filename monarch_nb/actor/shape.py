@@ -93,8 +93,13 @@ class Point(Mapping):
         return len(self._coords)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k}={v}" for k, v in self._coords.items())
-        return f"Point({inner}, rank={self.rank})"
+        """As Monarch prints a Point: ``{'hosts': 0/1, 'gpus': 1/2}`` (index/size per dim)."""
+        inner = ", ".join(f"{k!r}: {v}/{self.extent[k] if k in self.extent else '?'}" for k, v in self._coords.items())
+        return "{" + inner + "}"
+
+    def size(self, label: str) -> int:
+        """The size of dim ``label`` of this Point's extent."""
+        return self.extent[label]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Point):

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import errors
 from .postmortem import is_runtime_frame
 
 if TYPE_CHECKING:
@@ -265,8 +266,5 @@ def format_stack(data: dict, *, times: bool = True, indent: str = "  ") -> str:
 
 
 def group_identical(texts: dict[int, str]) -> list[tuple[list[int], str]]:
-    """Group ranks whose text is identical: ``[(ranks, text), ...]``, biggest group first."""
-    groups: dict[str, list[int]] = {}
-    for rank in sorted(texts):
-        groups.setdefault(texts[rank], []).append(rank)
-    return sorted(((ranks, text) for text, ranks in groups.items()), key=lambda g: (-len(g[0]), g[0][0]))
+    """Group ranks whose stacks read the same: ``[(ranks, text), ...]``, biggest group first."""
+    return sorted(errors.group_identical(texts), key=lambda g: (-len(g[0]), g[0][0]))

@@ -13,6 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+from ..actor import backend
 from ..actor.attach import attach_to_workers
 from ..actor.mesh import HostMesh
 
@@ -64,6 +65,7 @@ class Job(ABC):
         self.ca = os.path.abspath(ca) if ca else None
         self.start_timeout_s = start_timeout_s
         self.running: dict | None = None
+        self._attached: list[str] = []  # host names this job attached (detached when it is killed)
 
     # -- what subclasses say ----------------------------------------------------------------------
     @abstractmethod
@@ -125,10 +127,17 @@ class Job(ABC):
             if cached_path:
                 self.dump(cached_path)
         workers = self._workers(self.running, time.monotonic() + self.start_timeout_s)
-        return JobState({name: attach_to_workers(addresses, ca=self.ca) for name, addresses in workers.items()})
+        state = JobState({name: attach_to_workers(addresses, ca=self.ca) for name, addresses in workers.items()})
+        self._attached = [h for name in state.names for h in getattr(state, name).host_names]
+        return state
 
     def kill(self, cached_path: str | None = DEFAULT_STATE_PATH) -> None:
         """End the allocation (idempotent) and forget it in ``cached_path``."""
+        if self._attached:  # forget its hosts first: their loss is the job's end, not a failure to heal
+            existing = backend.existing()
+            if existing is not None:
+                existing.detach_hosts(self._attached)
+            self._attached = []
         if self.running is not None:
             self._kill(self.running)
             self.running = None

@@ -33,7 +33,7 @@ import anywidget
 import traitlets
 
 from .fallback import StaticFallback
-from .refresh import refresh_loop
+from .refresh import push_changes, refresh_loop
 
 __all__ = ["TrainingDashboard", "FIGURES"]
 
@@ -331,18 +331,8 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
             figures = {name: {"n": len(v), "median_ms": statistics.median(v), "max_ms": max(v), "last_ms": v[-1]}
                        for name, v in self._samples.items() if v}
             report = self._report
-        with self.hold_sync():
-            self.progress = progress
-            if metrics != self.metrics:
-                self.metrics = metrics
-            if markers != self.markers:
-                self.markers = markers
-            if timeline != self.timeline:
-                self.timeline = timeline
-            if figures != self.figures:
-                self.figures = figures
-            if report != self.report:
-                self.report = report
+        push_changes(self, progress=progress, metrics=metrics, markers=markers, timeline=timeline, figures=figures,
+                     report=report)
         self.updates += 1
 
     # -- the static fallback (saved notebooks, after %mesh stop) ------------------------------------

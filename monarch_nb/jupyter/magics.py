@@ -31,7 +31,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from . import automode, interrupts, session as session_mod, values
+from . import automode, interrupts, placement as placement_mod, session as session_mod, values
 from .cell_magic import run_cell_magic
 from .fallback import freeze_all
 from .parsers import (SUBCOMMANDS, HelpShown, build_cell_parser, build_line_parser, fault_kinds, parse_fault_spec,
@@ -113,29 +113,41 @@ class MeshMagics(Magics):
 
         if args.gpus is not None and args.n is not None and args.gpus != args.n:
             raise UsageError(f"`%mesh start {args.n} --gpus {args.gpus}`: give N or --gpus N, not two different counts")
-        count = args.gpus or args.n or 4
-        if args.gpus is not None:
-            inventory = device.detect_gpus()
-            if inventory.count < args.gpus:
-                raise UsageError(f"--gpus {args.gpus}: this host has {inventory.count} visible GPU(s); "
-                                 f"use `%mesh start {args.gpus}` for CPU procs")
-        hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts else ["localhost"]
-        bad = [h for h in hosts if h not in ("localhost", "127.0.0.1")]
-        if bad:
-            raise UsageError(f"--hosts {args.hosts}: only this host (localhost) can be used from a notebook here; "
-                             "start remote hosts with `monarch-nb host`")
-        t0 = time.monotonic()
-        procs = this_host().spawn_procs(per_host={"gpus": count}, name=args.name)
         try:
-            sess = session_mod.MeshSession(procs)
+            placement = placement_mod.resolve(args.hosts, args.job, args.ca, args.mesh)
+        except placement_mod.PlacementError as exc:
+            raise UsageError(str(exc)) from None
+        t0 = time.monotonic()
+        if placement.host_mesh is None:
+            count = args.gpus or args.n or 4
+            if args.gpus is not None:
+                inventory = device.detect_gpus()
+                if inventory.count < args.gpus:
+                    raise UsageError(f"--gpus {args.gpus}: this host has {inventory.count} visible GPU(s); "
+                                     f"use `%mesh start {args.gpus}` for CPU procs")
+            procs = this_host().spawn_procs(per_host={"gpus": count}, name=args.name)
+        else:
+            try:
+                count = placement_mod.procs_per_host(placement, args.n, args.gpus, _controller().hosts)
+            except placement_mod.PlacementError as exc:
+                raise UsageError(str(exc)) from None
+            try:
+                procs = placement.host_mesh.spawn_procs(per_host={"gpus": count}, name=args.name)
+            except BaseException:
+                _controller().detach_hosts(placement.attached)
+                raise
+        try:
+            sess = session_mod.MeshSession(procs, attached_hosts=placement.attached)
             if args.dist:
                 backend = sess.init_distributed()
         except BaseException:
             procs.stop()
+            _controller().detach_hosts(placement.attached)
             raise
         session_mod.set_current(sess)
         dist = f", torch.distributed up ({backend})" if args.dist else ""
-        print(f"mesh {procs.name}: {count} procs up in {time.monotonic() - t0:.1f} s{dist}. "
+        where = f" (dims {dict(procs.extent)}) on {placement.where}" if placement.host_mesh is not None else ""
+        print(f"mesh {procs.name}: {len(procs)} procs{where} up in {time.monotonic() - t0:.1f} s{dist}. "
               "Run cells on it with %%mesh (or `%mesh auto on`); see it live with %mesh tree.")
         return sess.procs
 

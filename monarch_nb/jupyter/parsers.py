@@ -56,11 +56,24 @@ def build_line_parser() -> Parser:
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=Parser)
 
-    p = sub.add_parser("start", help="start N worker procs (or one per GPU) with a cell executor on each",
-                       description="Start a mesh: N local CPU procs, or one proc per GPU with --gpus N.")
-    p.add_argument("n", nargs="?", type=positive_int, help="number of procs (default 4, or the --gpus count)")
-    p.add_argument("--gpus", type=positive_int, metavar="N", help="one proc per GPU, N GPUs")
-    p.add_argument("--hosts", metavar="H[,H...]", help="hosts to place procs on (default: this host)")
+    p = sub.add_parser("start", help="start N worker procs (or one per GPU) with a cell executor on each, here or on hosts",
+                       description="Start a mesh: N local CPU procs, or one proc per GPU with --gpus N; or N procs on each "
+                       "host of --hosts (workers started with `monarch-nb worker --address tcp://HOST:PORT --curve-keys DIR`) "
+                       "or of a saved job (--job FILE): dims {hosts: H, gpus: N}, ranks numbered host by host.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="Examples:\n  %mesh start 4\n  %mesh start 2 --hosts 10.0.0.2:26600,10.0.0.3:26600 --ca /shared/mnb-keys\n"
+                       "  %mesh start 2 --hosts 127.0.0.1:26600,127.0.0.1:26601      (workers on this machine: no keys)\n"
+                       "  %mesh start --job .monarch/job_state.json --mesh trainers")
+    p.add_argument("n", nargs="?", type=positive_int,
+                   help="procs (per host with --hosts/--job; default 4 here, one per GPU the hosts report, or 1)")
+    p.add_argument("--gpus", type=positive_int, metavar="N", help="one proc per GPU, N GPUs (per host with --hosts/--job)")
+    p.add_argument("--hosts", metavar="H:P[,H:P...]",
+                   help="worker addresses (tcp://HOST:PORT or HOST:PORT, as `monarch-nb worker --address` printed) to attach")
+    p.add_argument("--ca", metavar="DIR", help="the cluster's keys the workers were started with (`monarch-nb keys DIR`); "
+                   "needed unless every host is this machine's loopback")
+    p.add_argument("--job", metavar="FILE", help="a saved job's state file (job.state() writes .monarch/job_state.json): "
+                   "attach its running hosts")
+    p.add_argument("--mesh", metavar="NAME", help="with --job: which of its host meshes (default: its first)")
     p.add_argument("--dist", action="store_true", help="initialise torch.distributed on every rank (gloo on CPU, nccl/RCCL on GPUs)")
     p.add_argument("--name", help="the proc mesh's name (default: pm0, pm1, ...)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import rank_ranges
+from ..errors import format_ranks as _format_ranks
 
 __all__ = ["RANK_FORMS", "RankSpecError", "parse_ranks", "format_ranks"]
 
@@ -67,4 +67,4 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
 
 def format_ranks(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    return rank_ranges(ranks)
+    return _format_ranks(ranks)

@@ -1,7 +1,8 @@
 """The widgets' update loop: a background thread that redraws at most ``max_hz`` times a second.
 
 Widgets mark themselves dirty (an event arrived, a metric, a click) from any thread; this loop
-calls their refresh method, which pushes the new state inside ``hold_sync()``. It holds only a
+calls their refresh method, which pushes the new state with :func:`push_changes` (the traits
+that changed, in one message). It holds only a
 weak reference, so a widget that is closed or garbage-collected ends its thread.
 """
 
@@ -13,7 +14,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["refresh_loop"]
+__all__ = ["refresh_loop", "push_changes"]
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,12 @@ def refresh_loop(
                 getattr(widget, refresh)()
             except Exception:
                 log.exception("%s.%s failed", type(widget).__name__, refresh)
+
+
+def push_changes(widget: Any, **values: Any) -> None:
+    """Set the traits of ``widget`` whose value differs, inside one ``hold_sync()`` (one message
+    to the browser, none when nothing changed)."""
+    with widget.hold_sync():
+        for name, value in values.items():
+            if value != getattr(widget, name):
+                setattr(widget, name, value)

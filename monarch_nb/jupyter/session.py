@@ -43,7 +43,7 @@ class NoMeshError(RuntimeError):
 class MeshSession:
     """A proc mesh with cell executors, as driven from a notebook."""
 
-    def __init__(self, procs: Any, *, owned: bool = True) -> None:
+    def __init__(self, procs: Any, *, owned: bool = True, attached_hosts: list[str] | None = None) -> None:
         from ..runtime.controller import Controller
 
         from .worker import CellExecutor, MeshProbe
@@ -53,6 +53,7 @@ class MeshSession:
         self.world_size = len(procs)
         self.procs = MeshProcs(procs.name, procs.extent, self)
         self.owned = owned
+        self.attached_hosts = list(attached_hosts or [])  # hosts attached for this mesh: detached by stop()
         router_for(self.controller)
         self.executors = procs.spawn(EXECUTOR_NAME, CellExecutor)
         self.probes = procs.spawn(PROBE_NAME, MeshProbe)
@@ -62,7 +63,6 @@ class MeshSession:
         self.training: Any = None
         self.dashboard: Any = None
         self.tree_widget: Any = None
-        self.store: Any = None
         self.dist_backend: str | None = None
         self._lock = threading.Lock()
 
@@ -170,12 +170,10 @@ class MeshSession:
 
     # -- torch.distributed -----------------------------------------------------------------------
     def init_distributed(self, backend: str | None = None) -> str:
-        """Initialise ``torch.distributed`` on every rank; the TCPStore lives here, in the kernel."""
-        from ..runtime.rendezvous import loopback_store
-
-        if self.store is None:
-            self.store = loopback_store(self.world_size)
-        backends = self.executors.init_distributed.call("127.0.0.1", self.store.port, backend).get(timeout=120)
+        """Initialise ``torch.distributed`` on every rank, through the proc mesh's rendezvous store
+        (held by the controller, here in the kernel, at an address every host of the mesh reaches:
+        the procs' ``MASTER_ADDR`` / ``MASTER_PORT``); return the backend."""
+        backends = self.executors.init_distributed.call(None, None, backend).get(timeout=120)
         self.dist_backend = backends.values()[0] if hasattr(backends, "values") else str(backends)
         return self.dist_backend
 
@@ -194,7 +192,9 @@ class MeshSession:
                 log.exception("stopping the training run failed")
         if self.owned:
             self.procs.stop()
-        self.store = None
+        if self.attached_hosts:  # their worker loops wait for the next controller again
+            self.controller.detach_hosts(self.attached_hosts)
+            self.attached_hosts = []
 
 
 class MeshProcs(ProcMesh):

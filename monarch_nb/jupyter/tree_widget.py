@@ -1,22 +1,31 @@
 """The live supervision-tree widget: controller -> hosts -> procs -> actors, with fault buttons.
 
-One anywidget model for the whole tree (not one comm per node, as ipytree has): its ``tree``
-trait holds :func:`monarch_nb.supervision.tree.snapshot` (plain data), redrawn in the browser
-by a small ES module shipped as a string (no JavaScript build step). A background thread follows
-the controller's event log and refreshes the model at most ``max_hz`` times a second inside
-``hold_sync()`` (heartbeat ages tick once a second when nothing happens). Each proc row has
-fault buttons (kill, hang, nan, slow, partition, raise) and restart; a click is a message to
-Python, handled on a worker thread (a restart blocks), so the kernel stays responsive. Clicking a
-node selects it: ``details`` then holds its facts, its last output lines and its events.
+One anywidget model for the whole tree (not one comm per node, as ipytree has). ``widget.tree``
+is the last :func:`monarch_nb.supervision.tree.snapshot` (plain data; host nodes carry their
+load, address, machine and a ``lost`` flag); ``layout`` says what the browser draws of it: a
+list of nodes for small meshes (the ``nodes`` trait: the tree), or above
+:data:`.tree_grid.GRID_AT` procs a grid of one cell per rank per host (the ``grid`` trait,
+:func:`.tree_grid.grid_of`: 8 hosts x 8 GPUs fit on a screen; ``nodes`` is then empty, so the
+heartbeat ages that change every second are not sent for 64 ranks). The ``view`` trait ("auto",
+"grid", "list") is the user's choice, toggled in the widget's toolbar. The browser side is
+:mod:`.tree_view`.
 
-Without a browser, the same state is there to read (``widget.tree``, ``widget.proc_states()``)
-and clicks can be simulated with :meth:`SupervisionTree.click`.
+A background thread follows the controller's event log and refreshes the model at most
+``max_hz`` times a second inside ``hold_sync()`` (heartbeat ages tick once a second when nothing
+happens). Each proc row (list), or the details of a selected rank (grid), has fault buttons
+(kill, hang, nan, slow, partition, raise) and restart; a click is a message to Python, handled on
+a worker thread (a restart blocks), so the kernel stays responsive. Clicking a node (a row, a
+host, a cell) selects it: ``details`` then holds its title and facts, and for a rank its actors,
+last output lines and events; for a host its machine and events.
+
+Without a browser, the same state is there to read (``widget.tree``, ``widget.grid``,
+``widget.proc_states()``), and clicks can be simulated with :meth:`SupervisionTree.click` and
+:meth:`SupervisionTree.select`.
 """
 
 from __future__ import annotations
 
 import html
-import json
 import logging
 import threading
 import time
@@ -27,151 +36,24 @@ import anywidget
 import traitlets
 
 from ..supervision.records import ProcState
+from . import tree_grid
 from .fallback import StaticFallback
-from .refresh import refresh_loop
+from .refresh import push_changes, refresh_loop
+from .tree_grid import COLORS, GRID_AT, VIEWS
+from .tree_view import BUTTON_FAULTS, CSS, ESM
 
-__all__ = ["SupervisionTree", "BUTTON_FAULTS"]
+__all__ = ["SupervisionTree", "BUTTON_FAULTS", "COLORS", "GRID_AT", "VIEWS"]
 
 log = logging.getLogger(__name__)
 
-#: the fault buttons on each proc, in order
-BUTTON_FAULTS = ("kill", "hang", "nan", "slow", "partition", "raise")
 _MARKER = "\x1emnb:"
 #: a proc that failed shows as failed for at least this long, even when it is restarted at once
 #: (a training run restarts a killed rank within milliseconds: the red would not be seen)
 FAILED_HOLD_S = 1.5
 _FAILURE_EVENTS = ("proc_exited", "proc_hung")
+_HOST_EVENTS = ("host_lost", "host_returned")
 #: states a failed proc passes through while it comes back (shown as failed for FAILED_HOLD_S)
 _RECOVERING = (ProcState.RESTARTING, ProcState.STARTING, ProcState.FAILED)
-
-#: the dot colour of each state (the live view and the static fallback)
-COLORS = {"healthy": "#2e7d32", "busy": "#1565c0", "paused": "#00838f", "starting": "#9e9e9e", "hung": "#ef6c00",
-          "failed": "#c62828", "restarting": "#6a1b9a", "stopping": "#757575", "stopped": "#757575"}
-
-_ESM = "const COLORS = " + json.dumps(COLORS) + ";\nconst FAULTS = " + json.dumps(list(BUTTON_FAULTS)) + ";\n" + r"""
-
-function el(tag, attrs = {}, ...kids) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (k === "onclick") e.addEventListener("click", v);
-    else if (k === "style") e.style.cssText = v;
-    else e.setAttribute(k, v);
-  }
-  for (const k of kids) if (k !== null && k !== undefined) e.append(k);
-  return e;
-}
-
-function short(text) {
-  const line = String(text || "").split("\n")[0];
-  return line.length > 140 ? line.slice(0, 137) + "..." : line;
-}
-
-function fmt(s) { return s === null || s === undefined ? "-" : `${Number(s).toFixed(1)} s`; }
-
-function render({ model, el: host }) {
-  const root = el("div", {class: "mnb-tree"});
-  host.append(root);
-  const draw = () => {
-    const tree = model.get("tree") || {};
-    const selected = model.get("selected");
-    const busy = model.get("busy") || [];
-    root.replaceChildren();
-    const label = (node) => {
-      const dot = el("span", {class: "mnb-dot", style: `background:${COLORS[node.state] || "#9e9e9e"}`});
-      let text;
-      if (node.kind === "controller") text = `controller · pid ${node.pid}`;
-      else if (node.kind === "host") text = `${node.name} · pid ${node.pid} · ${node.state}`;
-      else if (node.kind === "proc") {
-        text = `rank ${node.rank} · ${node.name} · pid ${node.pid} · ${node.state} · heartbeat ${fmt(node.heartbeat_age_s)}` +
-          ` · restarts ${node.restarts}` + (node.endpoint ? ` · ${node.endpoint} (${fmt(node.endpoint_running_s)})` : "");
-      } else text = `${node.name} (${(node.detail || {}).class || "actor"}) · ${node.state}` +
-          (node.endpoint ? ` · ${node.endpoint} ${fmt(node.endpoint_running_s)}` : "");
-      const span = el("span", {class: "mnb-label" + (selected === node.name ? " mnb-selected" : ""), title: "show details",
-        onclick: () => { model.set("selected", node.name); model.save_changes(); }}, dot, text);
-      return span;
-    };
-    const visit = (node, depth) => {
-      const row = el("div", {class: `mnb-node mnb-${node.kind}`, "data-name": node.name, "data-state": node.state,
-        style: `margin-left:${depth * 18}px`});
-      if (node.kind === "proc") {
-        row.setAttribute("data-rank", node.rank); row.setAttribute("data-mesh", node.mesh);
-        row.setAttribute("data-pid", node.pid); row.setAttribute("data-failures", node.failures || 0);
-        row.setAttribute("data-restarts", node.restarts);
-      }
-      row.append(label(node));
-      if (node.kind === "proc") {
-        const key = `${node.mesh}.${node.rank}`;
-        const pending = busy.includes(key);
-        const alive = node.state === "healthy" || node.state === "busy" || node.state === "paused";
-        for (const kind of FAULTS) {
-          const b = el("button", {class: "mnb-btn mnb-fault", "data-kind": kind, title: `inject ${kind} into rank ${node.rank}`,
-            onclick: () => model.send({action: "fault", kind, mesh: node.mesh, rank: node.rank})}, kind);
-          if (!alive || pending) b.disabled = true;
-          row.append(b);
-        }
-        const r = el("button", {class: "mnb-btn mnb-restart", "data-kind": "restart", title: `restart rank ${node.rank} in place`,
-          onclick: () => model.send({action: "restart", mesh: node.mesh, rank: node.rank})}, "restart");
-        if (pending || node.state === "restarting") r.disabled = true;
-        row.append(r);
-        if (node.last_failure) {
-          const f = node.last_failure;
-          row.append(el("span", {class: "mnb-failure", title: f.detail}, ` last failure ${f.clock}: ${f.cause || f.kind}` +
-            (node.failures > 1 ? ` (${node.failures} in all)` : "")));
-        }
-      }
-      root.append(row);
-      for (const child of node.children || []) visit(child, depth + 1);
-    };
-    if (tree.kind) visit(tree, 0); else root.append(el("div", {}, "no controller yet"));
-    const status = model.get("status");
-    if (status) root.append(el("div", {class: "mnb-status"}, status));
-    const d = model.get("details") || {};
-    if (d.node) {
-      const n = d.node;
-      const box = el("div", {class: "mnb-details"});
-      box.append(el("div", {class: "mnb-title"}, `${n.kind} ${n.name}`));
-      const facts = [["state", n.state], ["pid", n.pid], ["rank", n.rank], ["coords", JSON.stringify(n.coords || {})],
-        ["restarts", n.restarts], ["heartbeat age", fmt(n.heartbeat_age_s)], ["uptime", fmt(n.uptime_s)],
-        ["endpoint", n.endpoint || "-"], ["detail", JSON.stringify(n.detail || {})]];
-      for (const [k, v] of facts) if (v !== null && v !== undefined) box.append(el("div", {}, `${k}: ${v}`));
-      if ((d.events || []).length) {
-        box.append(el("div", {class: "mnb-title"}, "events"));
-        for (const e of d.events) box.append(el("div", {class: "mnb-event", title: e.detail}, `${e.clock} ${e.kind} ${short(e.detail)}`));
-      }
-      box.append(el("div", {class: "mnb-title"}, "last output"));
-      box.append(el("pre", {class: "mnb-output"}, (d.output || []).join("\n") || "(none)"));
-      root.append(box);
-    }
-    const events = model.get("events") || [];
-    if (events.length) {
-      const log = el("div", {class: "mnb-events"}, el("div", {class: "mnb-title"}, "recent events"));
-      for (const e of events.slice().reverse())
-        log.append(el("div", {class: "mnb-event", "data-kind": e.kind, "data-rank": e.rank, title: e.detail},
-          `${e.clock} ${e.mesh}.${e.rank} ${e.kind} ${short(e.detail)}`));
-      root.append(log);
-    }
-  };
-  for (const name of ["tree", "selected", "details", "events", "status", "busy"]) model.on(`change:${name}`, draw);
-  draw();
-}
-export default { render };
-"""
-
-_CSS = """
-.mnb-tree { font-family: var(--jp-code-font-family, monospace); font-size: 12px; line-height: 1.7; }
-.mnb-node { display: flex; flex-wrap: wrap; align-items: center; row-gap: 2px; }
-.mnb-label { cursor: pointer; margin-right: 8px; }
-.mnb-selected { text-decoration: underline; font-weight: bold; }
-.mnb-dot { display: inline-block; width: 9px; height: 9px; border-radius: 50%; margin-right: 6px; }
-.mnb-btn { font-size: 11px; padding: 0 5px; margin-right: 3px; cursor: pointer; }
-.mnb-restart { margin-left: 6px; }
-.mnb-failure { color: #c62828; margin-left: 6px; }
-.mnb-status { margin-top: 4px; color: #555; }
-.mnb-details { margin-top: 6px; padding: 4px 8px; border-left: 3px solid #90caf9; }
-.mnb-title { font-weight: bold; margin-top: 4px; }
-.mnb-output { max-height: 160px; overflow: auto; background: rgba(127,127,127,.08); margin: 2px 0; }
-.mnb-events { margin-top: 6px; max-height: 140px; overflow: auto; }
-"""
 
 
 class SupervisionTree(StaticFallback, anywidget.AnyWidget):
@@ -180,43 +62,58 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
     Args:
         mesh: show only this proc mesh (default: every running one).
         max_hz: the most model updates per second (default 10).
-        controller: the controller to follow (default ``Controller.get()``).
+        controller: the controller to follow (default ``Controller.get()``); any object with its
+            ``tree()``, ``events``, ``meshes``, ``hosts``, ``proc_record()``, ``inject()`` and
+            ``restart_proc()``.
+        view: "auto" (a grid of ranks above :data:`GRID_AT` procs, else a list of nodes),
+            "grid" or "list"; the toolbar's toggle changes it.
+
+    Raises:
+        ValueError: an unknown ``view``.
     """
 
-    _esm = traitlets.Unicode(_ESM).tag(sync=True)
-    _css = traitlets.Unicode(_CSS).tag(sync=True)
-    tree = traitlets.Dict().tag(sync=True)
+    _esm = traitlets.Unicode(ESM).tag(sync=True)
+    _css = traitlets.Unicode(CSS).tag(sync=True)
+    nodes = traitlets.Dict().tag(sync=True)  # the tree for the list layout; {} while the grid shows
+    grid = traitlets.Dict().tag(sync=True)
+    view = traitlets.Unicode("auto").tag(sync=True)  # what the user asked for: auto, grid, list
+    layout = traitlets.Unicode("list").tag(sync=True)  # what is drawn: grid or list
     selected = traitlets.Unicode("").tag(sync=True)
     details = traitlets.Dict().tag(sync=True)
     events = traitlets.List().tag(sync=True)
     status = traitlets.Unicode("").tag(sync=True)
     busy = traitlets.List().tag(sync=True)  # "mesh.rank" keys with an action in flight
 
-    def __init__(self, mesh: str | None = None, max_hz: float = 10.0, controller: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        from ..runtime.controller import Controller
+    def __init__(self, mesh: str | None = None, max_hz: float = 10.0, controller: Any = None, view: str = "auto",
+                 **kwargs: Any) -> None:
+        if view not in VIEWS:
+            raise ValueError(f"view {view!r}: use one of {', '.join(VIEWS)}")
+        super().__init__(view=view, **kwargs)
+        if controller is None:
+            from ..runtime.controller import Controller
 
-        self._controller = controller or Controller.get()
+            controller = Controller.get()
+        self._controller = controller
         self._mesh = mesh
         self._min_interval_s = 1.0 / max_hz
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._busy: set[str] = set()
         self._failures: dict[tuple, list] = {}  # (mesh, rank) -> failure events, oldest first
+        self._host_events: dict[str, Any] = {}  # host -> its last host_lost / host_returned event
         for event in self._controller.events.events():
-            if event.kind in _FAILURE_EVENTS:
-                self._failures.setdefault((event.mesh, event.rank), []).append(event)
+            _note(event, self._failures, self._host_events)
+        self.tree: dict = {}  # the last snapshot (what the list draws; the grid groups its procs)
         self.updates = 0
         self.on_msg(self._on_frontend_msg)
-        self.observe(lambda _change: self._dirty.set(), names=["selected"])
+        self.observe(self._on_choice, names=["selected", "view"])
         self._refresh()
         ref = weakref.ref(self)
         dirty = self._dirty
-        failures = self._failures
+        failures, host_events = self._failures, self._host_events
 
         def on_event(event: Any) -> None:  # the controller's IO thread: record, flag, return
-            if event.kind in _FAILURE_EVENTS:
-                failures.setdefault((event.mesh, event.rank), []).append(event)
+            _note(event, failures, host_events)
             dirty.set()
 
         self._unsubscribe = self._controller.events.subscribe(on_event)
@@ -225,23 +122,33 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         )
         self._thread.start()
 
+    def _on_choice(self, change: dict) -> None:
+        if change["name"] == "view" and change["new"] not in VIEWS:  # a bad value from a frontend: keep the old one
+            self.view = change["old"] if change["old"] in VIEWS else "auto"
+            return
+        self._dirty.set()
+
     # -- state ------------------------------------------------------------------------------------
     def _snapshot(self) -> dict:
         tree = self._controller.tree(self._mesh)
         running = {name for name, m in self._controller.meshes.items() if not m.stopped}
+        hosts = self._controller.hosts
         failures = self._failures
         now = time.monotonic()
         for host in tree.get("children", []):
+            _describe_host(host, hosts.get(host["name"]), self._host_events.get(host["name"]))
             host["children"] = [p for p in host["children"] if p.get("mesh") in running]
             for proc in host["children"]:
+                if proc["kind"] != "proc":
+                    continue
                 seen = list(failures.get((proc["mesh"], proc["rank"]), []))
                 proc["failures"] = len(seen)
                 if seen:
                     last = seen[-1]
-                    proc["last_failure"] = {"kind": last.kind, "cause": last.cause, "detail": last.detail,
-                                            "clock": time.strftime("%H:%M:%S", time.localtime(last.time))}
+                    proc["last_failure"] = {"kind": last.kind, "cause": last.cause, "detail": last.detail, "clock": _clock(last.time)}
                     if now - last.monotonic < FAILED_HOLD_S and proc["state"] in _RECOVERING:
-                        proc["detail"] = {**proc.get("detail", {}), "state_now": proc["state"]}
+                        if proc["state"] != ProcState.FAILED:
+                            proc["detail"] = {**proc.get("detail", {}), "state_now": proc["state"]}
                         proc["state"] = ProcState.FAILED
                         for actor in proc.get("children", []):
                             actor["state"] = ProcState.FAILED
@@ -252,46 +159,62 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
                         actor["heartbeat_age_s"] = round(actor["heartbeat_age_s"], 1)
         return tree
 
-    def _recent_events(self, n: int = 12) -> list[dict]:
+    def _latest_events(self, n: int = 2000) -> list:
+        """The last ``n`` events of the log (a long run's log holds up to 100,000)."""
         log = self._controller.events
-        events = log.events(since_seq=max(0, log.next_seq - 500))
+        return log.events(since_seq=max(0, log.next_seq - n))
+
+    def _recent_events(self, n: int = 12) -> list[dict]:
+        events = self._latest_events(500)
         if self._mesh is not None:
-            events = [e for e in events if e.mesh == self._mesh]
+            events = [e for e in events if e.mesh == self._mesh or e.kind in _HOST_EVENTS]
         return [_event_dict(e) for e in events[-n:]]
 
     def _details(self, tree: dict) -> dict:
         if not self.selected:
             return {}
-        from ..supervision.tree import walk
-
-        node = next((n for n in walk(tree) if n["name"] == self.selected), None)
-        if node is None:
-            return {"node": {"kind": "gone", "name": self.selected, "state": ProcState.STOPPED}}
+        found = _find(tree, self.selected)
+        if found is None:
+            return {"node": {"kind": "gone", "name": self.selected, "state": ProcState.STOPPED},
+                    "title": f"{self.selected} (gone)", "facts": []}
+        node, host = found
         out: dict = {"node": {k: v for k, v in node.items() if k != "children"}}
+        if node["kind"] == "host":
+            out["title"], out["facts"] = _host_details(node)
+            mine = [e for e in self._latest_events() if e.host == node["name"]]  # its own events, then its procs'
+            keep = {e.seq for e in [e for e in mine if e.kind in _HOST_EVENTS][-4:] + [e for e in mine if e.kind not in _HOST_EVENTS][-8:]}
+            out["events"] = [_event_dict(e) for e in mine if e.seq in keep]
+            return out
+        if host is not None and node["kind"] in ("proc", "actor"):
+            out["node"]["host"] = host["name"]
+        if node["kind"] == "proc":
+            out["title"], out["facts"] = _proc_details(node, host)
+            out["actors"] = [{"name": a["name"], "class": (a.get("detail") or {}).get("class", "actor"), "state": a["state"],
+                              "endpoint": a.get("endpoint"), "endpoint_running_s": a.get("endpoint_running_s")}
+                             for a in node.get("children", [])]
+        else:
+            out["title"] = f"{node['kind']} {node['name']}" + (f" on rank {node['rank']}" if node.get("rank") is not None else "")
+            out["facts"] = [[k, _fact(node.get(k))] for k in ("state", "pid", "uptime_s", "endpoint", "detail")
+                            if node.get(k) not in (None, {}, "")]
         if node.get("rank") is not None and node.get("mesh"):
             try:
                 rec = self._controller.proc_record(node["mesh"], node["rank"])
                 out["output"] = [line for line in list(rec.output_tail) if _MARKER not in line][-20:]
             except ValueError:
                 out["output"] = []
-            out["events"] = [_event_dict(e) for e in self._controller.events.events()
+            out["events"] = [_event_dict(e) for e in self._latest_events()
                              if e.mesh == node["mesh"] and e.rank == node["rank"]][-8:]
         return out
 
     def _refresh(self) -> None:
         tree = self._snapshot()
+        grid = tree_grid.grid_of(tree)
+        layout = tree_grid.layout_of(tree, self.view if self.view in VIEWS else "auto")
         events = self._recent_events()
         details = self._details(tree)
-        with self.hold_sync():
-            if tree != self.tree:
-                self.tree = tree
-            if events != self.events:
-                self.events = events
-            if details != self.details:
-                self.details = details
-            busy = sorted(self._busy)
-            if busy != self.busy:
-                self.busy = busy
+        nodes = tree if layout == "list" else {}  # the grid needs no per-node data: less to send each second
+        self.tree = tree
+        push_changes(self, nodes=nodes, grid=grid, layout=layout, events=events, details=details, busy=sorted(self._busy))
         self.updates += 1
 
     # -- reading (tests, scripts) -------------------------------------------------------------------
@@ -311,7 +234,31 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
                 return node
         return None
 
+    def refresh(self) -> None:
+        """Bring the model up to date now (the background loop does it within ``1 / max_hz`` s)."""
+        self._refresh()
+
     # -- clicks -----------------------------------------------------------------------------------
+    def select(self, rank: int | None = None, mesh: str | None = None, host: str | None = None) -> dict:
+        """Do what a click on a rank's cell or row (or, with ``host``, on a host) does: select it;
+        return its ``details`` once shown.
+
+        Raises:
+            ValueError: no such rank (or host) in the tree.
+        """
+        if host is not None:
+            if _find(self.tree, host) is None:
+                raise ValueError(f"no host {host!r} in the tree")
+            name = host
+        else:
+            node = self.proc_node(rank, mesh) if rank is not None else None
+            if node is None:
+                raise ValueError(f"no rank {rank!r}{f' of {mesh!r}' if mesh else ''} in the tree")
+            name = node["name"]
+        self._on_frontend_msg(self, {"action": "select", "name": name}, [])  # what a click sends
+        self._refresh()
+        return self.details
+
     def click(self, action: str, rank: int, kind: str | None = None, mesh: str | None = None) -> threading.Thread:
         """Do what a button click does (``action`` "fault" with ``kind``, or "restart"); returns
         the worker thread that carries it out."""
@@ -322,6 +269,12 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
 
     def _on_frontend_msg(self, _widget: Any, content: dict, _buffers: list) -> threading.Thread | None:
         action = content.get("action")
+        if action == "select" and isinstance(content.get("name"), str):
+            self.selected = content["name"]
+            return None
+        if action == "view" and content.get("view") in VIEWS:
+            self.view = content["view"]
+            return None
         if action not in ("fault", "restart"):
             return None
         worker = threading.Thread(target=self._act, args=(content,), name="mnb-tree-action", daemon=True)
@@ -329,8 +282,6 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         return worker
 
     def _act(self, content: dict) -> None:
-        from ..actor.mesh import ProcMesh
-
         mesh, rank, action, kind = content.get("mesh"), content.get("rank"), content.get("action"), content.get("kind")
         key = f"{mesh}.{rank}"
         if key in self._busy:
@@ -341,16 +292,15 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
             record = self._controller.meshes.get(mesh)
             if record is None or record.stopped:
                 raise ValueError(f"proc mesh {mesh!r} is not running")
-            procs = ProcMesh(mesh, record.extent)
             if action == "fault":
                 if kind not in BUTTON_FAULTS:
                     raise ValueError(f"unknown fault {kind!r}; buttons: {', '.join(BUTTON_FAULTS)}")
-                procs.inject(int(rank), kind)
+                self._controller.inject(mesh, int(rank), kind, {})
                 self.status = f"injected {kind} into rank {rank} of {mesh}"
             else:
                 self.status = f"restarting rank {rank} of {mesh} ..."
                 t0 = time.monotonic()
-                procs.restart(int(rank))
+                self._controller.restart_proc(mesh, int(rank))
                 self.status = f"rank {rank} of {mesh} restarted in {time.monotonic() - t0:.2f} s"
         except Exception as exc:
             self.status = f"{action} {kind or ''} on rank {rank} failed: {exc}"
@@ -359,29 +309,22 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
             self._dirty.set()
 
     # -- the static fallback (saved notebooks, after %mesh stop) ------------------------------------
-    def _rows(self) -> list[tuple[int, dict]]:
-        rows: list[tuple[int, dict]] = []
-
-        def visit(node: dict, depth: int) -> None:
-            rows.append((depth, node))
-            for child in node.get("children", []):
-                visit(child, depth + 1)
-
-        if self.tree.get("kind"):
-            visit(self.tree, 0)
-        return rows
-
     def static_text(self) -> str:
-        lines = ["  " * depth + _node_label(node) for depth, node in self._rows()] or ["(no controller)"]
+        if not self.tree.get("kind"):
+            lines = ["(no controller)"]
+        elif self.layout == "grid":
+            lines = tree_grid.grid_text(self.grid or tree_grid.grid_of(self.tree))
+        else:
+            lines = tree_grid.list_text(self.tree)
         return "\n".join(lines + [f"({self.status})" if self.status else ""]).rstrip()
 
     def static_html(self) -> str:
-        out = ['<div class="mnb-tree-static" style="font-family:monospace;font-size:12px;line-height:1.7">']
-        for depth, node in self._rows():
-            color = COLORS.get(node.get("state", ""), "#9e9e9e")
-            out.append(f'<div data-state="{html.escape(str(node.get("state", "")))}" style="margin-left:{depth * 18}px">'
-                       f'<span style="display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px;'
-                       f'background:{color}"></span>{html.escape(_node_label(node))}</div>')
+        out = [f'<div class="mnb-tree-static" data-layout="{html.escape(self.layout)}" '
+               'style="font-family:monospace;font-size:12px;line-height:1.7">']
+        if self.layout == "grid":
+            out += tree_grid.grid_html(self.grid or tree_grid.grid_of(self.tree))
+        else:
+            out += tree_grid.list_html(self.tree)
         if self.status:
             out.append(f'<div style="color:#555">{html.escape(self.status)}</div>')
         out.append('<div style="color:#777;font-style:italic">a snapshot of the supervision tree; '
@@ -390,41 +333,109 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
-        self._stop.set()
-        self._dirty.set()
+        if hasattr(self, "_stop"):  # not when __init__ refused its arguments
+            self._stop.set()
+            self._dirty.set()
         unsubscribe = getattr(self, "_unsubscribe", None)
         if unsubscribe is not None:
             unsubscribe()
         super().close()
 
 
-def _node_label(node: dict) -> str:
-    """One node as the live view labels it (controller, host, proc or actor)."""
-    def fmt(seconds: Any) -> str:
-        return "-" if seconds is None else f"{float(seconds):.1f} s"
+def _note(event: Any, failures: dict, host_events: dict) -> None:
+    """Keep what the tree shows of an event: a proc's failures, a host's last loss or return."""
+    if event.kind in _FAILURE_EVENTS:
+        failures.setdefault((event.mesh, event.rank), []).append(event)
+    elif event.kind in _HOST_EVENTS:
+        host_events[event.host] = event
 
-    kind = node.get("kind")
-    if kind == "controller":
-        return f"controller · pid {node.get('pid')}"
-    if kind == "host":
-        return f"{node.get('name')} · pid {node.get('pid')} · {node.get('state')}"
-    if kind == "proc":
-        text = (f"rank {node.get('rank')} · {node.get('name')} · pid {node.get('pid')} · {node.get('state')} · "
-                f"heartbeat {fmt(node.get('heartbeat_age_s'))} · restarts {node.get('restarts')}")
-        if node.get("endpoint"):
-            text += f" · {node['endpoint']} ({fmt(node.get('endpoint_running_s'))})"
-        failure = node.get("last_failure")
-        if failure:
-            text += f" · last failure {failure.get('clock')}: {failure.get('cause') or failure.get('kind')}"
-        return text
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(seconds))
+
+
+def _describe_host(node: dict, record: Any, event: Any) -> None:
+    """Add what a host's row shows to its tree node: load, address, machine, lost, last event.
+
+    Lost: failed, or lost and not yet back (while the controller attaches it again, its record
+    is a new one, "starting", until its agent says hello: still lost for the user)."""
+    node["lost"] = node["state"] == ProcState.FAILED or (event is not None and event.kind == "host_lost")
+    node["load"] = round(record.load, 2) if record is not None and record.last_heartbeat else None
+    node["address"] = record.address if record is not None else ""
+    node["detail"] = {**node.get("detail", {}), **(dict(record.detail) if record is not None else {})}
+    node["heartbeat_age_s"] = (round(time.monotonic() - record.last_heartbeat, 1)
+                               if record is not None and record.last_heartbeat else None)
+    node["last_event"] = ({"kind": event.kind, "detail": event.detail, "clock": _clock(event.time)}
+                          if event is not None else None)
+
+
+def _find(tree: dict, name: str) -> tuple[dict, dict | None] | None:
+    """The node called ``name`` and the host it is under (None for the controller and hosts)."""
+    if not tree.get("kind"):
+        return None
+    if tree["name"] == name:
+        return tree, None
+    for host in tree.get("children", []):
+        if host["name"] == name:
+            return host, None
+        for node in host.get("children", []):
+            if node["name"] == name:
+                return node, host
+            for actor in node.get("children", []):
+                if actor["name"] == name:
+                    return actor, host
+    return None
+
+
+def _fact(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.1f} s"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+    return "-" if value is None else str(value)
+
+
+def _proc_details(node: dict, host: dict | None) -> tuple[str, list]:
+    where = ""
+    if host is not None:
+        machine = (host.get("detail") or {}).get("hostname")
+        where = f" on {host['name']}" + (f" ({machine})" if machine else "") + (" · host LOST" if host.get("lost") else "")
+    title = f"rank {node['rank']} of {node['mesh']} · {node['name']}{where}"
+    facts = [["state", str(node["state"])], ["pid", str(node["pid"])], ["coords", _fact(node.get("coords"))],
+             ["restarts", str(node["restarts"])], ["heartbeat age", _fact(node.get("heartbeat_age_s"))],
+             ["uptime", _fact(node.get("uptime_s"))]]
+    if node.get("endpoint"):
+        facts.append(["running", f"{node['endpoint']} for {_fact(node.get('endpoint_running_s'))}"])
+    failure = node.get("last_failure")
+    if failure:
+        count = node.get("failures", 1)
+        facts.append(["last failure", f"{failure['clock']} {failure.get('cause') or failure['kind']}: {failure['detail']}"
+                      + (f" ({count} in all)" if count > 1 else "")])
+    if node.get("detail"):
+        facts.append(["detail", _fact(node["detail"])])
+    return title, facts
+
+
+def _host_details(node: dict) -> tuple[str, list]:
     detail = node.get("detail") or {}
-    return f"{node.get('name')} ({detail.get('class', 'actor')}) · {node.get('state')}"
+    title = f"host {node['name']}" + (f" ({detail['hostname']})" if detail.get("hostname") else "") + (" · LOST" if node.get("lost") else "")
+    procs = [c for c in node.get("children", []) if c.get("kind") == "proc"]
+    facts = [["state", "lost (" + str(node["state"]) + ")" if node.get("lost") else str(node["state"])],
+             ["pid", str(node["pid"])], ["load", "-" if node.get("load") is None else f"{node['load']:.2f} runnable per core"],
+             ["address", node.get("address") or "this machine"]]
+    for key in ("ip", "iface", "cores", "gpus"):
+        if detail.get(key) not in (None, "", {}):
+            facts.append([key, _fact(detail[key])])
+    facts += [["heartbeat age", _fact(node.get("heartbeat_age_s"))], ["uptime", _fact(node.get("uptime_s"))],
+              ["procs", str(len(procs))]]
+    if node.get("last_event"):
+        event = node["last_event"]
+        facts.append(["last event", f"{event['clock']} {event['kind']}: {event['detail']}"])
+    return title, facts
 
 
 def _event_dict(event: Any) -> dict:
     return {
-        "seq": event.seq, "kind": event.kind, "mesh": event.mesh, "rank": event.rank, "pid": event.pid,
-        "detail": event.detail, "cause": event.cause, "time": event.time,
-        "clock": time.strftime("%H:%M:%S", time.localtime(event.time)),
+        "seq": event.seq, "kind": event.kind, "mesh": event.mesh, "rank": event.rank, "pid": event.pid, "host": event.host,
+        "detail": event.detail, "cause": event.cause, "time": event.time, "clock": _clock(event.time),
     }
-

@@ -131,8 +131,9 @@ class CellExecutor(Actor):
         return result
 
     @endpoint
-    def init_distributed(self, host: str, port: int, backend: str | None = None, timeout_s: float = 60.0) -> str:
-        """Initialise ``torch.distributed`` on this rank from a TCPStore served by the controller.
+    def init_distributed(self, host: str | None, port: int | None, backend: str | None = None, timeout_s: float = 60.0) -> str:
+        """Initialise ``torch.distributed`` on this rank from a TCPStore served by the controller at
+        ``host:port`` (None: the proc mesh's store, ``MASTER_ADDR:MASTER_PORT``).
 
         Puts ``dist`` (``torch.distributed``) in the namespace; returns the backend used.
         """
@@ -142,6 +143,8 @@ class CellExecutor(Actor):
 
         from .. import device
 
+        if host is None or port is None:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if not dist.is_initialized():
             backend = backend or device.backend()
             store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))

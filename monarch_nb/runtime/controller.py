@@ -25,7 +25,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..actor import backend
+from ..actor.context import context as current_context
 from ..actor.backend import Target
+from ..actor.context import CLIENT_MESH
 from ..actor.future import Future
 from ..actor.shape import Extent
 from ..config import config
@@ -36,8 +38,9 @@ from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRe
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
-from ..transport.serialization import dumps
 from ..transport.wire import Signer, route_id
+from .actor_host import ActorHost
+from .actor_meshes import LOCAL_PROC, ActorMeshes
 from .hosts import Hosts
 from .launch import RUN_DIR_PREFIX, proc_specs, sweep_stale_run_dirs
 from .liveness import Liveness
@@ -94,6 +97,9 @@ class Controller:
         else:
             self.address = self.channel.bind(f"ipc://{self.run_dir}/controller")
         self.messenger = Messenger(self.channel)
+        self.local_host = ActorHost(LOCAL_PROC, CLIENT_MESH, 0, Extent({}), self.channel.send, self.messenger,
+                                    self._from_local_host)
+        self.messenger.local[LOCAL_PROC] = self.local_host.dispatch
         self.events = EventLog()
         self.procs: dict[str, ProcRecord] = {}
         self.meshes: dict[str, ProcMeshRecord] = {}
@@ -120,7 +126,11 @@ class Controller:
             Kind.AGENT_HELLO: self._on_agent_hello,
             Kind.AGENT_HEARTBEAT: self._on_agent_heartbeat,
             Kind.SPARES: self._on_spares,
+            Kind.PORT: self.messenger.on_port,
         }
+        self.actor_meshes = ActorMeshes(self)
+        self._handlers[Kind.ACTOR_FAILED] = self.actor_meshes.on_actor_failed
+        self._handlers[Kind.CONTROL] = self.actor_meshes.on_control
         self.channel.every(config.heartbeat_interval_s, self._tick)
         self.channel.every(self._lines.quiet_s / 2, self._emit_quiet_lines)
         self.channel.start(name="monarch_nb-controller-io")
@@ -134,8 +144,8 @@ class Controller:
 
     # -- the actor API's backend -------------------------------------------------------------------
     def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
-             extent: Extent | None, want_reply: bool = True) -> Future | None:
-        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply)
+             extent: Extent | None, want_reply: bool = True, **how: Any) -> Any:
+        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply, **how)
 
     def failure_of(self, proc: str) -> SupervisionError | None:
         return self.messenger.failure_of(proc)
@@ -144,8 +154,15 @@ class Controller:
         record = self.meshes.get(mesh)
         return record is not None and record.stopped
 
-    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, *, spares: int = 0,
-                    preload: Sequence[str] = ()) -> str:
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
+                    spares: int = 0, preload: Sequence[str] = ()) -> str:
+        """Start procs (see :meth:`HostMesh.spawn_procs`), owned by the calling actor or the client."""
+        name = self._spawn_procs(hosts, extent, name, python, spares=spares, preload=preload)
+        self.actor_meshes.own_procs(_caller_owner(), name)
+        return name
+
+    def _spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
+                     spares: int = 0, preload: Sequence[str] = ()) -> str:
         """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
 
         Raises:
@@ -165,10 +182,10 @@ class Controller:
         remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
         store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
         specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
-                           master=(store.host, store.port))
+                           master=(store.host, store.port), python=python)
         cores = _cores()
         local = sum(1 for s in specs if self._hosts.is_local(s["host"]))
-        if local > cores:
+        if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
             log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
         with self._lock:
@@ -197,6 +214,10 @@ class Controller:
         """Attach the worker loops at ``workers``; return their host names (see :func:`attach_to_workers`)."""
         return self._hosts.attach(list(workers), ca)
 
+    def detach_hosts(self, names: list[str]) -> None:
+        """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`)."""
+        self._hosts.detach(list(names))
+
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
         shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
@@ -204,33 +225,45 @@ class Controller:
                 "proc_env": shared, "cwd": spec.get("cwd")}
         self.channel.send(host, {"kind": Kind.KEEP_SPARES}, json.dumps(body).encode())
 
-    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
-        """Construct ``cls(*args, **kwargs)`` on ``ranks`` of proc mesh ``mesh``; block until built.
+    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
+                     spawn_extent: Extent | None = None) -> str:
+        """Start constructing ``cls(*args, **kwargs)`` on ``ranks`` of proc mesh ``mesh`` (or on the
+        client's own proc); return the actor mesh's id at once. The calling actor (or the client)
+        owns it. See :class:`~monarch_nb.runtime.actor_meshes.ActorMeshes`.
 
         Raises:
-            ValueError: an actor mesh called ``name`` already lives on that proc mesh.
-            ActorError: a constructor raised on some rank.
             MeshStoppedError: the proc mesh was stopped.
         """
-        record = self._mesh(mesh)
-        if any(a.name == name for a in record.actors):
-            raise ValueError(f"an actor mesh named {name!r} already lives on proc mesh {mesh!r}; pick another name")
-        body, buffers = dumps((cls, args, kwargs, record.extent, ranks))
-        spawn = ActorSpawn(name, cls, body, buffers, ranks)
-        record.actors.append(spawn)
-        targets = [self._target(mesh, r) for r in ranks]
-        future = self._send_spawn(targets, spawn, record.extent)
-        try:
-            future.get()
-        except BaseException:
-            record.actors.remove(spawn)
-            raise
+        inst = current_context().actor_instance
+        extent = spawn_extent if spawn_extent is not None else Extent({"gpus": len(ranks)}) if len(ranks) > 1 else Extent({})
+        return self.actor_meshes.spawn(mesh, ranks, name, cls, args, kwargs, extent, _caller_owner(), inst)
+
+    def actor_initialized(self, actor_id: str) -> Future:
+        return self.actor_meshes.initialized(actor_id)
+
+    def stop_actors(self, actor_id: str) -> None:
+        self.actor_meshes.stop(actor_id)
+
+    def get_or_spawn_controller(self, name: str, cls: type, args: tuple, kwargs: dict) -> Future:
+        return self.actor_meshes.get_or_spawn_controller(name, cls, args, kwargs)
+
+    def set_log_level(self, mesh: str, level: int) -> None:
+        for rec in self.mesh_records(mesh):
+            if rec.alive:
+                self.channel.send(rec.identity, {"kind": Kind.LOG_LEVEL, "level": int(level)})
+
+    def open_port(self, receiver: Any) -> tuple[str, str]:
+        return self.messenger.open_port(receiver)
+
+    def send_to_port(self, owner: str, port_id: str, ok: bool, value: Any, rank: int | None) -> None:
+        self.messenger.send_to_port(owner, port_id, ok, value, rank)
 
     def stop_procs(self, mesh: str, timeout_s: float | None = None) -> None:
         """Stop the procs of ``mesh``: ask nicely, SIGKILL after ``stop_timeout_s``. Idempotent."""
         record = self.meshes.get(mesh)
         if record is None or record.stopped:
             return
+        self.actor_meshes.before_stop_procs(mesh)
         record.stopped = True
         records = [self.procs[i] for i in record.procs]
         for host in {r.host for r in records}:
@@ -249,7 +282,8 @@ class Controller:
         deadline = time.monotonic() + 5.0
         while any(r.alive for r in records) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.messenger.fail_all(lambda t: SupervisionError(t.rank, "stopped", "the proc mesh was stopped"))
+        self.messenger.fail_calls_to({r.identity for r in records},
+                                     lambda t: SupervisionError(t.rank, "stopped", "actor mesh is stopped due to proc mesh shutdown"))
         store = self._stores.pop(mesh, None)
         if store is not None:
             self.channel.remove_reader(store.fd)
@@ -453,7 +487,10 @@ class Controller:
     # -- incoming messages (IO thread) ---------------------------------------------------------------
     def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
         if header["dst"] != CONTROLLER:
-            self.channel.forward(header["dst"], frames)
+            if header["dst"] == LOCAL_PROC:  # an actor hosted in this process
+                self.local_host.dispatch(header, body, buffers)
+            else:
+                self.channel.forward(header["dst"], frames)
             return
         handler = self._handlers.get(header["kind"])
         if handler is None:
@@ -519,6 +556,13 @@ class Controller:
     def _on_agent_hello(self, header: dict, body: Any, buffers: list) -> None:
         self._hosts.on_hello(header)
 
+    # -- actors' requests (the client's own proc, and control requests from procs) ------------------
+    def _from_local_host(self, header: dict, body: bytes) -> None:
+        """A message the client's own proc sends "to the controller": handled here, no socket."""
+        header.update(src=LOCAL_PROC, dst=CONTROLLER)
+        if header["kind"] == Kind.ACTOR_FAILED:
+            self.actor_meshes.on_actor_failed(header, body, [])
+
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop every mesh and host agent, close the socket, remove the run folder. Runs at
@@ -531,6 +575,8 @@ class Controller:
             except Exception:
                 log.exception("stopping %s failed", name)
         self._hosts.shutdown()
+        self.local_host.stop_all(timeout_s=2.0)
+        self.actor_meshes.close()
         self._closed = True
         self.supervisor.close()
         self.channel.close()
@@ -542,3 +588,9 @@ class Controller:
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _caller_owner() -> tuple | None:
+    """The owner of what the calling code spawns: the client-hosted actor running it, or the client."""
+    inst = current_context().actor_instance
+    return (LOCAL_PROC, inst.mesh_id) if inst.class_name else None

@@ -150,7 +150,7 @@ class HostAgent:
         env.update(proc_env.to_env())
         env["PYTHONUNBUFFERED"] = "1"
         try:
-            popen = self._popen([identity], env, spec.get("cwd"))
+            popen = self._popen([identity], env, spec.get("cwd"), python=spec.get("python"))
         except OSError as exc:
             self.channel.send(CONTROLLER, {"kind": Kind.PROC_EXITED, "proc": identity, "pid": 0, "returncode": 127,
                                            "signal": None, "detail": f"could not start: {exc}"})
@@ -158,9 +158,9 @@ class HostAgent:
         self._adopt(ChildProc(identity, spec["rank"], popen, mesh))
         self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": identity, "pid": popen.pid})
 
-    def _popen(self, args: list[str], env: dict, cwd: str | None, pass_fds: tuple = ()) -> subprocess.Popen:
+    def _popen(self, args: list[str], env: dict, cwd: str | None, pass_fds: tuple = (), python: str | None = None) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "monarch_nb.proc_main", *args],
+            [python or sys.executable, "-m", "monarch_nb.proc_main", *args],
             env=env,
             stdin=subprocess.PIPE if pass_fds else subprocess.DEVNULL,
             stdout=subprocess.PIPE,

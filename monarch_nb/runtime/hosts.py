@@ -11,9 +11,10 @@ Liveness: every host agent heartbeats; the controller heartbeats to remote agent
 for ``hang_timeout_s`` is *lost*: its procs fail with cause ``host_lost`` (calls to them raise
 ``SupervisionError``). Its agent, silent controller or not, kills its procs after
 ``controller_timeout_s`` (twice the hang timeout), so a cut-off rank stops; the controller tries
-to attach the host again every second, and a host whose old agent comes back instead is told to
-kill the procs it still runs before it serves again. Either way no proc of a lost host ever
-serves the controller again: restarts start fresh ones (no split brain).
+to attach the host again every second (the worker loop then replaces the old agent, and its procs
+die with it), and a lost host whose old agent is heard again has its procs killed at once; the
+host serves again only with a fresh agent. No proc of a lost host ever serves the controller
+again: restarts start fresh ones (no split brain).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: The local host agent's name.
 LOCAL = "host0"
+#: How long a worker loop may take to answer an attach (it answers at once when it hears it), seconds.
+ATTACH_REPLY_S = 15.0
 _LOCAL_NAMES = ("localhost", "127.0.0.1", LOCAL)
 
 
@@ -66,6 +69,7 @@ class Hosts:
         self._endpoints: dict[tuple[str, bytes | None], str] = {}  # (controller IP, cluster key) -> tcp endpoint
         self._links: dict[str, dict] = {}  # remote host name -> {"address", "trust", "info", "endpoint"}
         self._reattaching: set[str] = set()
+        self._fenced: set[str] = set()  # procs of lost hosts already told to die
         self._lock = threading.RLock()
         self._next = 1
 
@@ -126,12 +130,24 @@ class Hosts:
         for address in workers:
             if trust is None and not is_loopback(address):
                 raise ValueError(f"worker {address} is not on this machine: pass ca= (the cluster's key file or folder)")
-            with self._lock:
-                known = next((n for n, link in self._links.items() if link["address"] == address), None)
+            wanted = trust or Trust(LOOPBACK_KEY, source="loopback")
+            with self._lock:  # the same worker with the same keys is the same host
+                known = next((n for n, link in self._links.items()
+                              if link["address"] == address and link["trust"].hmac_key == wanted.hmac_key), None)
+                record = self.records.get(known) if known is not None else None
+                if record is not None and record.state == ProcState.HEALTHY:
+                    names.append(known)  # already attached and serving: attaching again changes nothing
+                    continue
                 name = known or f"host{self._next}"
                 if known is None:
                     self._next += 1
-            self._attach_one(name, address, trust or Trust(LOOPBACK_KEY, source="loopback"))
+            try:
+                self._attach_one(name, address, wanted)
+            except BaseException:
+                with self._lock:  # a host that never served leaves no record behind
+                    if name not in self._links and self.records.get(name) is not None:
+                        del self.records[name]
+                raise
             names.append(name)
         return names
 
@@ -155,10 +171,11 @@ class Hosts:
                   "heartbeat_interval_s": config.heartbeat_interval_s, "controller_timeout_s": controller_timeout_s()}
         with self._lock:
             record = self.records.get(name)
-            if record is None or record.state != ProcState.STARTING:
+            if record is None:
                 record = self.records[name] = HostRecord(name, address=address)
-            record.ready.clear()
-        reply = _request(address, trust, encode(Signer(trust.hmac_key), header), timeout_s)
+            record.ready.clear()  # a lost host keeps its state (failed) until its new agent says hello
+        # the worker answers at once if it hears us: a long silence means other keys or no worker
+        reply = _request(address, trust, encode(Signer(trust.hmac_key), header), min(timeout_s, ATTACH_REPLY_S))
         if not reply.get("ok"):
             raise AttachError(f"worker {address} refused to attach: {reply.get('error')}")
         with self._lock:
@@ -171,10 +188,24 @@ class Hosts:
                               "(can the host reach this address? a firewall?)")
         return record
 
+    def detach(self, names: list[str]) -> None:
+        """Forget the attached hosts ``names`` (their job ended): tell their agents to stop, try no
+        re-attach, drop their records. Their procs' meshes should be stopped first."""
+        with self._lock:
+            for name in names:
+                if self.is_local(name):
+                    continue
+                self._reattaching.discard(name)
+                self._links.pop(name, None)
+                if self.records.pop(name, None) is not None:
+                    self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
+
     # -- messages (IO thread) --------------------------------------------------------------------------
     def on_hello(self, header: dict) -> None:
         record = self.records.get(route_id(header["src"]))
         if record is not None:
+            procs = self.ctrl.procs  # a fresh agent: its host's procs may be fenced again if it is lost again
+            self._fenced = {p for p in self._fenced if p not in procs or procs[p].host != record.name}
             record.pid = header["pid"]
             record.state = ProcState.HEALTHY
             record.last_heartbeat = time.monotonic()
@@ -218,13 +249,12 @@ class Hosts:
                              daemon=True).start()
 
     def _fence_returned(self, record: HostRecord) -> None:
-        """A lost host's old agent is heard again: kill what it still runs, then it serves."""
+        """A lost host's old agent is heard again: kill what it still runs (fenced: never a split
+        brain). It serves again only once attached again, with a fresh agent."""
         for rec in list(self.ctrl.procs.values()):
-            if rec.host == record.name:
+            if rec.host == record.name and rec.identity not in self._fenced:
+                self._fenced.add(rec.identity)
                 self.ctrl.channel.send(record.name, {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": "SIGKILL"})
-        record.state = ProcState.HEALTHY
-        self._reattaching.discard(record.name)
-        self.ctrl.record_host_event("host_returned", record, detail="heartbeats resumed; its procs were fenced", cause="link")
 
     def _reattach(self, name: str) -> None:
         try:

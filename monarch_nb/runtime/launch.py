@@ -78,6 +78,7 @@ def proc_specs(
     *,
     heartbeat_interval_s: float,
     master: tuple[str, int],
+    python: str = "",
 ) -> list[dict]:
     """The start specs of every proc of mesh ``mesh``, in rank order.
 
@@ -90,6 +91,8 @@ def proc_specs(
             controller's environment (this machine only) and the shared-memory run id.
         heartbeat_interval_s: seconds between a proc's heartbeats.
         master: (address, port) of the mesh's rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``).
+        python: the interpreter to start the procs with ("" for this one); their actors' own
+            ``this_host().spawn_procs()`` use it too (``MONARCH_NB_PYTHON``).
 
     Returns:
         One dict per proc: ``{"identity", "rank", "host", "env" (ProcEnv as JSON), "base_env"
@@ -117,7 +120,8 @@ def proc_specs(
             sys_path=[p for p in sys.path if p],
             # torchrun's variables: env:// finds the controller's store, which every rank (rank 0
             # too) joins as a client, as under torchrun's agent
-            extra={"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True"},
+            extra={"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   **({"MONARCH_NB_PYTHON": python} if python else {})},
         )
         specs.append({
             "identity": proc_identity(mesh, point.rank),
@@ -126,6 +130,7 @@ def proc_specs(
             "env": env.to_json(),
             "base_env": base_env if where["base_env"] else None,
             "cwd": os.getcwd() if where["base_env"] else None,
+            **({"python": python} if python else {}),
         })
     return specs
 

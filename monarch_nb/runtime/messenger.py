@@ -1,12 +1,16 @@
-"""The calling side of a process: send endpoint calls, match replies, fail calls to dead procs.
+"""The calling side of a process: send endpoint calls, match replies, ports, fail calls to dead procs.
 
 Every process that calls endpoints has one :class:`Messenger`: the controller, and each proc
 (actors call other actors). A call to a mesh slice sends one message per member and returns a
 :class:`~monarch_nb.actor.future.Future` that completes when every member replied (a
 :class:`~monarch_nb.actor.value_mesh.ValueMesh`) or when one failed (the error, with the other
-ranks' errors attached). When the controller learns that a proc died it tells every messenger;
-in-flight calls to it fail with :class:`~monarch_nb.errors.SupervisionError` and later calls
-fail fast until the proc is restarted.
+ranks' errors attached); a ``stream`` call returns one Future per member, the n-th completed by
+the n-th reply. Ports opened here (``Channel.open()``) receive values through :meth:`on_port`.
+When the controller learns that a proc died it tells every messenger; in-flight calls to it fail
+with :class:`~monarch_nb.errors.SupervisionError`, later calls fail fast until the proc is
+restarted, and receives on ports held only by dead procs fail.
+
+Calls to actors hosted in this same process (``local`` deliveries) skip the socket.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..actor.backend import Target
 from ..actor.future import Future
+from ..actor.ports import collect_pickled_ports
 from ..actor.shape import Extent
 from ..actor.value_mesh import ValueMesh
 from ..errors import ActorError, SupervisionError, error_from_reply
@@ -31,29 +35,46 @@ __all__ = ["Messenger"]
 
 log = logging.getLogger(__name__)
 
+_EMPTY_ARGS = dumps(((), {}))
 
-@dataclass
+
 class _PendingCall:
-    targets: list[Target]
-    actor: str
-    endpoint: str
-    extent: Extent | None  # None: a single value (call_one / choose)
-    future: Future
-    values: list = field(default_factory=list)
-    outstanding: set = field(default_factory=set)
-    errors: list = field(default_factory=list)
+    __slots__ = ("targets", "actor", "endpoint", "extent", "future", "values", "outstanding", "errors", "streams", "display")
+
+    def __init__(self, targets: list, actor: str, endpoint: str, extent: Extent | None, future: Future | None,
+                 streams: list | None = None):
+        self.targets = targets
+        self.actor = actor
+        self.endpoint = endpoint
+        self.extent = extent  # None: a single value (call_one / choose)
+        self.future = future
+        self.values: list = [None] * len(targets)
+        self.outstanding = set(range(len(targets)))
+        self.errors: list = []
+        self.streams = streams  # stream(): Futures completed in arrival order
+        self.display = actor  # "module.Class name" of the actors called, for failure texts
 
 
 class Messenger:
-    """Issues calls over ``channel`` and completes their futures from replies (thread-safe)."""
+    """Issues calls over ``channel`` and completes their futures from replies (thread-safe).
 
-    def __init__(self, channel: Channel):
+    Args:
+        channel: the process's channel.
+        local: routing identity -> ``deliver(header, body, buffers)`` for actors hosted in this
+            process (their messages skip the socket).
+    """
+
+    def __init__(self, channel: Channel, local: dict[str, Callable[[dict, Any, list], None]] | None = None):
         self.channel = channel
         self.identity = channel.identity
+        self.route = route_id(channel.identity)
+        self.local = dict(local or {})
         self._pending: dict[str, _PendingCall] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._failed: dict[str, SupervisionError] = {}
+        self._ports: dict[str, Any] = {}
+        self._port_ids = itertools.count()
 
     # -- calling --------------------------------------------------------------------------------
     def send(
@@ -66,18 +87,56 @@ class Messenger:
         *,
         extent: Extent | None,
         want_reply: bool = True,
-    ) -> Future | None:
+        stream: bool = False,
+        port: Any = None,
+        message_extent: tuple | None = None,
+        as_endpoint: bool = False,
+        display: str | None = None,
+    ) -> Future | list[Future] | None:
         """Send ``actor.endpoint(*args, **kwargs)`` to each target.
 
         Args:
             extent: the result's extent (a ValueMesh), or None for one bare value.
             want_reply: False for ``broadcast`` (fire and forget); returns None then.
+            stream: return one Future per target, completed in arrival order.
+            port: a Port that gets each target's reply (tagged with its rank) instead.
+            message_extent: ``(extent, indices)`` of the slice the call goes to, when the targets
+                are not exactly the mesh the actors were spawned on.
 
         Raises:
             SerializationError: an argument cannot be pickled; nothing was sent.
         """
-        body, buffers = dumps((args, kwargs))
-        return self.send_raw(targets, Kind.CALL, actor, body, buffers, extent=extent, endpoint=endpoint, want_reply=want_reply)
+        if args or kwargs:
+            with collect_pickled_ports() as ports:
+                body, buffers = dumps((args, kwargs))
+            if ports:
+                self._note_port_holders(ports, targets)
+        else:
+            body, buffers = _EMPTY_ARGS
+        header: dict = {"kind": Kind.CALL, "actor": actor, "ep": endpoint}
+        if as_endpoint:
+            header["asep"] = 1
+        mx = None
+        if message_extent is not None:
+            ext, indices = message_extent
+            mx = [list(ext.labels), list(ext.sizes)]
+            header["mx"] = mx
+        if port is not None:
+            header["port"] = [port.owner, port.port_id]
+            for index, target in enumerate(targets):
+                if route_id(target.proc) not in self._failed:
+                    mi = message_extent[1][index] if message_extent is not None else index
+                    self._deliver(target.proc, dict(header, rank=target.rank, mi=mi), body, buffers)
+            return None
+        if not want_reply:
+            for index, target in enumerate(targets):
+                if route_id(target.proc) not in self._failed:
+                    h = dict(header, rank=target.rank)
+                    if mx is not None:
+                        h["mi"] = message_extent[1][index]
+                    self._deliver(target.proc, h, body, buffers)
+            return None
+        return self._call(targets, header, body, buffers, extent, stream, message_extent, display=display)
 
     def send_raw(
         self,
@@ -91,21 +150,46 @@ class Messenger:
         endpoint: str = "__init__",
         want_reply: bool = True,
         even_if_failed: bool = False,
+        extra: dict | None = None,
     ) -> Future | None:
-        """Send an already-pickled ``kind`` message ("call" or "spawn") to each target.
+        """Send an already-pickled ``kind`` message (a spawn, a plugin's request) to each target.
 
         ``even_if_failed`` sends to procs marked failed (respawning actors on a restarted proc).
         """
-        header = {"kind": kind, "actor": actor, "ep": endpoint}
+        header = {"kind": kind, "actor": actor, "ep": endpoint, **(extra or {})}
         if not want_reply:
             for target in targets:
-                if route_id(target.proc) not in self._failed:
-                    self.channel.send(target.proc, dict(header, rank=target.rank), body, buffers)
+                if even_if_failed or route_id(target.proc) not in self._failed:
+                    self._deliver(target.proc, dict(header, rank=target.rank), body, buffers)
             return None
+        return self._call(targets, header, body, buffers, extent, False, None, even_if_failed)
+
+    def control(self, dst: str, op: str, payload: Any) -> Future:
+        """Ask process ``dst`` (the controller) to do ``op`` with ``payload``; a Future of its answer.
+
+        Raises:
+            SerializationError: ``payload`` cannot be pickled.
+        """
+        body, buffers = dumps(payload)
+        target = Target(dst, -1, {})
+        future = self._call([target], {"kind": Kind.CONTROL, "op": op, "actor": "", "ep": op}, body, buffers, None,
+                            False, None, True)
+        assert isinstance(future, Future)
+        return future
+
+    def _call(self, targets: Sequence[Target], header: dict, body: bytes, buffers: list, extent: Extent | None,
+              stream: bool, message_extent: tuple | None, even_if_failed: bool = False,
+              display: str | None = None) -> Future | list[Future]:
         cid = f"{self.identity}:{next(self._ids)}"
-        future: Future = Future(on_timeout=lambda: self._forget(cid))
-        pending = _PendingCall(list(targets), actor, endpoint, extent, future, [None] * len(targets))
-        pending.outstanding = set(range(len(targets)))
+        streams = None
+        if stream:
+            streams = [Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead) for _ in targets]
+            future = None
+        else:
+            future = Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead)
+        pending = _PendingCall(list(targets), header["actor"], header["ep"], extent, future, streams)
+        if display:
+            pending.display = display
         header["cid"] = cid
         header["reply_to"] = self.identity
         with self._lock:
@@ -113,10 +197,24 @@ class Messenger:
         for index, target in enumerate(targets):
             failure = None if even_if_failed else self._failed.get(route_id(target.proc))
             if failure is not None:
-                self._complete(cid, index, error=SupervisionError(target.rank, failure.cause, failure.detail, failure.signal))
+                self._complete(cid, index, error=self._proc_error(pending, target, failure))
                 continue
-            self.channel.send(target.proc, dict(header, idx=index, rank=target.rank), body, buffers)
-        return future
+            h = dict(header, idx=index, rank=target.rank)
+            if message_extent is not None:
+                h["mi"] = message_extent[1][index]
+            self._deliver(target.proc, h, body, buffers)
+        if not targets and future is not None:
+            future._inner.set_result(ValueMesh(extent, []) if extent is not None else None)
+        return streams if streams is not None else future
+
+    def _deliver(self, dst: str, header: dict, body: bytes, buffers: list) -> None:
+        local = self.local.get(dst)
+        if local is not None:
+            header["src"] = self.identity
+            header["dst"] = dst
+            local(header, body, buffers)
+        else:
+            self.channel.send(dst, header, body, buffers)
 
     def _forget(self, cid: str) -> None:
         with self._lock:
@@ -124,10 +222,11 @@ class Messenger:
 
     # -- replies --------------------------------------------------------------------------------
     def on_reply(self, header: dict, body: Any, buffers: list) -> None:
-        """Handle a ``reply`` message (IO thread)."""
+        """Handle a ``reply`` message (IO thread, or a local actor's thread)."""
         cid, index = header.get("cid"), header.get("idx")
-        if cid not in self._pending:
-            return  # timed out or already failed: drop the late reply
+        pending = self._pending.get(cid)
+        if pending is None:
+            return  # cancelled or already failed: drop the late reply
         try:
             payload = loads(body, buffers)
         except SerializationError as exc:
@@ -136,9 +235,6 @@ class Messenger:
         if header.get("ok"):
             self._complete(cid, index, value=payload)
         else:
-            pending = self._pending.get(cid)
-            if pending is None:
-                return
             target = pending.targets[index]
             self._complete(cid, index, error=error_from_reply(payload, target.rank, target.coords, pending.actor, pending.endpoint))
 
@@ -148,13 +244,24 @@ class Messenger:
             if pending is None or index not in pending.outstanding:
                 return
             pending.outstanding.discard(index)
-            if error is not None:
-                pending.errors.append(error)
+            if pending.streams is not None:
+                slot = pending.streams[len(pending.targets) - len(pending.outstanding) - 1]
+                if not pending.outstanding:
+                    del self._pending[cid]
             else:
-                pending.values[index] = value
-            if pending.outstanding:
-                return
-            del self._pending[cid]
+                slot = None
+                if error is not None:
+                    pending.errors.append(error)
+                else:
+                    pending.values[index] = value
+                if pending.outstanding:
+                    return
+                del self._pending[cid]
+        if slot is not None:
+            inner = slot._inner
+            if not inner.done():
+                inner.set_exception(error) if error is not None else inner.set_result(value)
+            return
         inner = pending.future._inner
         if inner.done():
             return
@@ -168,6 +275,60 @@ class Messenger:
         else:
             inner.set_result(ValueMesh(pending.extent, pending.values))
 
+    # -- ports ----------------------------------------------------------------------------------
+    def open_port(self, receiver: Any) -> tuple[str, str]:
+        """Register ``receiver``; return (this process's routing identity, the port's id)."""
+        port_id = f"p{next(self._port_ids)}"
+        self._ports[port_id] = receiver
+        receiver._lead = self.channel.lead
+        return self.route, port_id
+
+    def send_to_port(self, owner: str, port_id: str, ok: bool, value: Any, rank: int | None) -> None:
+        """Deliver ``value`` to port ``port_id`` of ``owner`` (any thread).
+
+        Raises:
+            SerializationError: ``value`` cannot be pickled.
+        """
+        if owner == self.route:
+            receiver = self._ports.get(port_id)
+            if receiver is not None:
+                receiver._deliver(ok, value, rank)
+            return
+        if not ok:
+            try:
+                body, buffers = dumps(value)
+            except SerializationError:
+                body, buffers = dumps(RuntimeError(f"{type(value).__name__}: {value}"))
+        else:
+            body, buffers = dumps(value)
+        header = {"kind": Kind.PORT, "port": port_id, "ok": ok}
+        if rank is not None:
+            header["prank"] = rank
+        self._deliver(owner, header, body, buffers)
+
+    def on_port(self, header: dict, body: Any, buffers: list) -> None:
+        """Handle a ``port`` message: a value (or an error) for a port opened here."""
+        receiver = self._ports.get(header.get("port", ""))
+        if receiver is None:
+            return
+        try:
+            value = loads(body, buffers)
+        except SerializationError as exc:
+            receiver._deliver(False, exc, header.get("prank"))
+            return
+        ok = bool(header.get("ok", True))
+        if not ok and isinstance(value, dict) and ("type" in value or "supervision" in value):  # a reply's error
+            value = error_from_reply(value, header.get("prank", -1), {}, "port", header.get("port", ""))
+        receiver._deliver(ok, value, header.get("prank"))
+
+    def _note_port_holders(self, ports: list, targets: Sequence[Target]) -> None:
+        procs = {route_id(t.proc) for t in targets}
+        for port in ports:
+            if port.owner == self.route:
+                receiver = self._ports.get(port.port_id)
+                if receiver is not None:
+                    receiver._add_holders(procs)
+
     # -- supervision ----------------------------------------------------------------------------
     def proc_failed(self, proc: str, error: SupervisionError) -> None:
         """Fail in-flight calls to ``proc`` with ``error``; fail later calls fast."""
@@ -175,15 +336,24 @@ class Messenger:
         self._failed[proc] = error
         with self._lock:
             hits = [
-                (cid, i)
+                (cid, i, p)
                 for cid, p in self._pending.items()
                 for i in p.outstanding
                 if route_id(p.targets[i].proc) == proc
             ]
-        for cid, index in hits:
-            target = self._pending[cid].targets[index] if cid in self._pending else None
-            rank = target.rank if target else error.rank
-            self._complete(cid, index, error=SupervisionError(rank, error.cause, error.detail, error.signal))
+        for cid, index, pending in hits:
+            self._complete(cid, index, error=self._proc_error(pending, pending.targets[index], error))
+        if self._ports:
+            failed = dict(self._failed)
+            for receiver in list(self._ports.values()):
+                receiver._holders_failed(failed)
+
+    @staticmethod
+    def _proc_error(pending: _PendingCall, target: Target, error: SupervisionError) -> SupervisionError:
+        """The error a call to ``target`` gets when its proc failed."""
+        where = "{" + ", ".join(f"'{k}': {v}" for k, v in target.coords.items()) + "}"
+        return SupervisionError(target.rank, error.cause, error.detail, error.signal, f"{pending.actor}.{pending.endpoint}",
+                                actor=f"<{pending.display}{where}>" if pending.actor and pending.endpoint != "__init__" else None)
 
     def proc_recovered(self, proc: str) -> None:
         self._failed.pop(route_id(proc), None)
@@ -200,4 +370,13 @@ class Messenger:
             if pending is not None:
                 self._complete(cid, index, error=error_factory(pending.targets[index]))
 
-
+    def fail_calls_to(self, procs: set[str], error_factory) -> None:
+        """Fail the in-flight calls to ``procs`` (a mesh was stopped)."""
+        procs = {route_id(p) for p in procs}
+        with self._lock:
+            hits = [(cid, i) for cid, p in self._pending.items() for i in p.outstanding
+                    if route_id(p.targets[i].proc) in procs]
+        for cid, index in hits:
+            pending = self._pending.get(cid)
+            if pending is not None:
+                self._complete(cid, index, error=error_factory(pending.targets[index]))

@@ -7,24 +7,28 @@ serves. The core knows no feature: a plugin registers a handler for its message 
 heartbeat (:meth:`Proc.add_heartbeat_field`) and observers of endpoint failures
 (:meth:`Proc.add_failure_hook`).
 
-The main thread runs the IO loop (the only user of the ZeroMQ socket; it also sends heartbeats,
-so a busy actor does not look hung, while a GIL-holding C call or SIGSTOP does). Each actor gets
-its own thread and mailbox, so an endpoint may block on another actor's reply (``.get()`` inside
-an endpoint), even one living in the same proc, without deadlock. Messages from one sender to
-one actor are run in order.
+The main thread runs the IO loop (it also sends heartbeats, so a busy actor does not look hung,
+while a GIL-holding C call or SIGSTOP does). The actors live in an
+:class:`~monarch_nb.runtime.actors.ActorHost`: each has its own thread (and asyncio loop, if
+async), so an endpoint may block on another actor's reply (``.get()`` inside an endpoint), even
+one living in the same proc, without deadlock. Messages from one sender to one actor are run in
+order.
 
-The proc dies with its host agent (PR_SET_PDEATHSIG) and exits when told to stop.
+What an actor asks of the runtime beyond calls (spawning procs or actors, stopping meshes,
+``get_or_spawn_controller``) goes to the controller as a ``control`` request: the controller
+owns every mesh, and the asking actor becomes the owner of what it spawned.
+
+The proc dies with its host agent (PR_SET_PDEATHSIG). Told to stop, it stops its actors
+(``__cleanup__``), then returns from its main so that the interpreter finalizes normally
+(module-level finalizers run, as in Monarch).
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import inspect
 import json
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -32,17 +36,18 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from ..actor import backend
-from ..actor import context as actor_context
+from ..actor.context import _ROOT_POINT, Context, Instance, _set_default
+from ..actor.context import context as current_context
 from ..actor.backend import Target
-from ..actor.endpoint import endpoints_of
 from ..actor.future import Future
 from ..actor.shape import Extent
-from ..errors import SupervisionError, UnknownEndpointError, capture_traceback
+from ..errors import SupervisionError
 from ..transport.channel import Channel
 from ..transport.keys import load_trust
-from ..transport.serialization import SerializationError, dumps, loads
-from ..transport.wire import Signer
+from ..transport.wire import Signer, route_id
 from . import import_grace
+from .actor_host import ActorHost
+from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
 from .protocol import CONTROLLER, Kind, ProcEnv
 
@@ -80,93 +85,6 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
-class ActorRunner:
-    """One actor: its instance, its mailbox and the thread that runs its endpoints in order."""
-
-    def __init__(self, proc: "Proc", name: str):
-        self.proc = proc
-        self.name = name
-        self.instance: Any = None
-        self.endpoints: dict = {}
-        self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.current: tuple[str, float] | None = None  # (endpoint, monotonic start)
-        self.thread = threading.Thread(target=self._run, name=f"actor-{name}", daemon=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.mailbox.get()
-            if item is None:
-                break
-            header, body, buffers = item
-            self._handle(header, body, buffers)
-        cleanup = getattr(self.instance, "__cleanup__", None)
-        if cleanup is not None:
-            try:
-                cleanup(None)
-            except Exception:
-                log.exception("%s.__cleanup__ raised", self.name)
-
-    def _handle(self, header: dict, body: Any, buffers: list) -> None:
-        endpoint = header.get("ep", "__init__")
-        self.current = (endpoint, time.monotonic())
-        try:
-            value = self._spawn(body, buffers) if header["kind"] == Kind.SPAWN else self._call(header, body, buffers)
-            ok = True
-        except BaseException as exc:  # report everything, KeyboardInterrupt from an interrupt included
-            ok, value = False, capture_traceback(exc)
-            self.proc.endpoint_failed(self.name, endpoint, exc, value)
-        finally:
-            self.current = None
-        if "cid" in header:
-            self.proc.reply(header, ok, value)
-
-    def _spawn(self, body: Any, buffers: list) -> None:
-        cls, args, kwargs, extent, ranks = loads(body, buffers)
-        point = extent.point(ranks.index(self.proc.rank))
-        actor_context._set(actor_context.ActorContext(
-            self.name, point, self.proc.mesh_name, self.proc.rank, os.getpid(), proc_extent=self.proc.extent,
-        ))
-        self.endpoints = endpoints_of(cls)
-        self.instance = cls(*args, **kwargs)
-
-    def _call(self, header: dict, body: Any, buffers: list) -> Any:
-        if self.instance is None:
-            raise RuntimeError(f"actor {self.name!r} was not constructed (its constructor failed)")
-        args, kwargs = loads(body, buffers)
-        endpoint = header["ep"]
-        prop = self.endpoints.get(endpoint)
-        if prop is None:
-            raise UnknownEndpointError(
-                f"{type(self.instance).__name__} has no endpoint {endpoint!r}; its endpoints are {sorted(self.endpoints)}"
-            )
-        prop.check_arguments(type(self.instance).__name__, args, kwargs)
-        for hook in self.proc.call_hooks:
-            hook.before_call(self.name, endpoint)
-        result = prop.fn(self.instance, *args, **kwargs)
-        if inspect.isawaitable(result):
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            result = self._loop.run_until_complete(result)
-        for hook in self.proc.call_hooks:
-            result = hook.after_call(result, self.name, endpoint)
-        return result
-
-    def stop(self) -> None:
-        self.mailbox.put(None)
-
-    def interrupt(self) -> None:
-        """Interrupt the endpoint running now (IO thread): the actor's ``__interrupt__`` hook
-        decides how (``%%mesh`` cells raise KeyboardInterrupt in their thread); no hook, no-op."""
-        hook = getattr(self.instance, "__interrupt__", None)
-        if hook is not None and self.current is not None:
-            try:
-                hook(self.thread.ident)
-            except Exception:
-                log.exception("%s.__interrupt__ raised", self.name)
-
-
 class Proc:
     """The worker process: its channel, messenger, actors, and the plugins' handlers and hooks.
 
@@ -188,21 +106,40 @@ class Proc:
             shm_run_id=env.run_id or None,
         )
         self.messenger = Messenger(self.channel)
-        self.actors: dict[str, ActorRunner] = {}
-        self.call_hooks: list[CallHook] = []
+        self.host = ActorHost(identity, self.mesh_name, self.rank, self.extent, self.channel.send, self.messenger,
+                              self.send_to_controller, python=os.environ.get("MONARCH_NB_PYTHON", ""),
+                              lead=self.channel.lead, wake=self.channel.wake)
+        self.messenger.local[identity] = self.host.dispatch  # an actor calling an actor of this proc
+        self.identity_route = route_id(identity)
         self._heartbeat_fields: list[Callable[[], dict]] = []
-        self._failure_hooks: list[Callable[[str, str, BaseException], None]] = []
         self._handlers: dict[str, Handler] = {
-            Kind.CALL: self._on_call,
+            Kind.CALL: self.host.dispatch,
+            Kind.SPAWN: self.host.dispatch,
+            Kind.STOP_ACTORS: self.host.dispatch,
+            Kind.SUPERVISE: self.host.dispatch,
             Kind.REPLY: self.messenger.on_reply,
-            Kind.SPAWN: self._on_spawn,
+            Kind.PORT: self.messenger.on_port,
             Kind.PROC_FAILED: self._on_proc_failed,
             Kind.PROC_RECOVERED: lambda header, body, buffers: self.messenger.proc_recovered(header["proc"]),
             Kind.INTERRUPT: self._on_interrupt,
+            Kind.LOG_LEVEL: lambda header, body, buffers: logging.getLogger().setLevel(int(header["level"])),
             Kind.STOP: lambda header, body, buffers: self.stop(),
         }
         self._stopping = False
+        self._exit = threading.Event()
+        _set_default(Context(Instance(
+            "proc", identity, self.extent.point(self.rank) if len(self.extent) else _ROOT_POINT, None, None,
+            self.mesh_name, self.rank, self.extent, f"<root>.<proc {identity}>", self.host.python), _ROOT_POINT))
         backend.install(self)
+
+    @property
+    def actors(self) -> dict:
+        """Actor id -> its runner (``name``, ``thread``, ``current``, ``instance``)."""
+        return self.host.runners
+
+    @property
+    def call_hooks(self) -> list:
+        return self.host.call_hooks
 
     # -- plugins ---------------------------------------------------------------------------------
     def register(self, kind: Kind, handler: Handler) -> None:
@@ -212,7 +149,7 @@ class Proc:
 
     def add_call_hook(self, hook: CallHook) -> None:
         """Run ``hook`` around every endpoint call."""
-        self.call_hooks.append(hook)
+        self.host.call_hooks.append(hook)
 
     def add_heartbeat_field(self, fields: Callable[[], dict]) -> None:
         """Merge ``fields()`` into every heartbeat (e.g. ``{"paused": [...]}``)."""
@@ -220,7 +157,7 @@ class Proc:
 
     def add_failure_hook(self, hook: Callable[[str, str, BaseException], None]) -> None:
         """Call ``hook(actor, endpoint, exc)`` on the actor's thread when an endpoint raises."""
-        self._failure_hooks.append(hook)
+        self.host.failure_hooks.append(hook)
 
     def send_to_controller(self, header: dict, body: bytes = b"") -> None:
         """Send a message of a plugin's kind (e.g. ``fault_fired``) to the controller."""
@@ -233,21 +170,6 @@ class Proc:
             log.warning("unknown message kind %r from %s", header["kind"], header["src"])
             return
         handler(header, body, buffers)
-
-    def _on_call(self, header: dict, body: Any, buffers: list) -> None:
-        runner = self.actors.get(header["actor"])
-        if runner is None:
-            self.reply(header, False, _error_info(LookupError(f"no actor {header['actor']!r} on proc {self.identity}")))
-        else:
-            runner.mailbox.put((header, body, buffers))
-
-    def _on_spawn(self, header: dict, body: Any, buffers: list) -> None:
-        name = header["actor"]
-        if name in self.actors:
-            self.reply(header, False, _error_info(ValueError(f"an actor named {name!r} already lives on {self.identity}")))
-            return
-        runner = self.actors[name] = ActorRunner(self, name)
-        runner.mailbox.put((header, body, buffers))
 
     def _on_proc_failed(self, header: dict, body: Any, buffers: list) -> None:
         info = json.loads(bytes(body)) if body else {}
@@ -273,23 +195,8 @@ class Proc:
 
     # -- any thread ------------------------------------------------------------------------------
     def reply(self, header: dict, ok: bool, value: Any) -> None:
-        try:
-            body, buffers = dumps(value)
-        except SerializationError as exc:
-            ok, (body, buffers) = False, dumps(_error_info(exc, f"the result of {header.get('ep')} cannot be pickled"))
-        self.channel.send(
-            header["reply_to"], {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok}, body, buffers
-        )
-
-    def endpoint_failed(self, actor: str, endpoint: str, exc: BaseException, info: dict) -> None:
-        """An endpoint of ``actor`` raised ``exc`` (actor thread): tell the hooks and the controller."""
-        for hook in self._failure_hooks:
-            try:
-                hook(actor, endpoint, exc)
-            except Exception:
-                log.exception("failure hook %r raised", hook)
-        detail = f"{actor}.{endpoint}: {info.get('type')}: {info.get('message')}"
-        self.channel.send(CONTROLLER, {"kind": Kind.ACTOR_ERROR, "actor": actor, "ep": endpoint, "detail": detail})
+        """Answer the request ``header`` (a plugin's request, or a call)."""
+        self.host.reply(header, ok, value)
 
     def stop(self) -> None:
         if self._stopping:
@@ -298,19 +205,16 @@ class Proc:
         threading.Thread(target=self._graceful_exit, name="stopper", daemon=True).start()
 
     def _graceful_exit(self) -> None:
-        for runner in self.actors.values():
-            runner.stop()
-        for runner in self.actors.values():
-            runner.thread.join(timeout=2.0)
+        self.host.stop_all()
         sys.stdout.flush()
         sys.stderr.flush()
-        self.channel.close()
-        os._exit(0)
+        self._exit.set()
+        self.channel.close()  # the main thread's IO loop returns: main() returns, the interpreter finalizes
 
     # -- the actor API's backend, inside a worker ------------------------------------------------
     def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
-             extent: Extent | None, want_reply: bool = True) -> Future | None:
-        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply)
+             extent: Extent | None, want_reply: bool = True, **how: Any) -> Any:
+        return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply, **how)
 
     def failure_of(self, proc: str) -> SupervisionError | None:
         return self.messenger.failure_of(proc)
@@ -318,21 +222,51 @@ class Proc:
     def mesh_stopped(self, mesh: str) -> bool:
         return False
 
-    def _controller_only(self, what: str) -> Any:
-        raise RuntimeError(f"{what} from inside a worker is not supported; do it from the controller")
+    def _ask(self, op: str, payload: Any) -> Any:
+        """Ask the controller to do ``op``; the calling actor is the owner of what it makes."""
+        inst = current_context().actor_instance
+        owner = [self.identity_route, inst.mesh_id] if inst.class_name else None
+        return self.messenger.control(CONTROLLER, op, {"owner": owner, "creator": inst, **payload})
 
-    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None, *, spares: int = 0,
+    def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None, python: str = "", *, spares: int = 0,
                     preload: Sequence[str] = ()) -> str:
-        return self._controller_only("spawning procs")
+        return self._ask("spawn_procs", {"hosts": hosts, "extent": extent, "name": name, "python": python,
+                                         "spares": spares, "preload": list(preload)}).get()
 
-    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict) -> None:
-        self._controller_only("spawning actors")
+    def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
+                     spawn_extent: Extent) -> str:
+        return self._ask("spawn_actors", {"mesh": mesh, "ranks": ranks, "name": name, "cls": cls, "args": args,
+                                          "kwargs": kwargs, "spawn_extent": spawn_extent}).get()
+
+    def actor_initialized(self, actor_id: str) -> Future:
+        return self._ask("initialized", {"actor": actor_id})
+
+    def stop_actors(self, actor_id: str) -> None:
+        self._ask("stop_actors", {"actor": actor_id}).get()
 
     def attach_hosts(self, workers: list[str], ca: str | None) -> list[str]:
         return self._controller_only("attaching hosts")
 
+    def detach_hosts(self, names: list[str]) -> None:
+        self._controller_only("detaching hosts")
+
     def stop_procs(self, mesh: str) -> None:
-        self._controller_only("stopping procs")
+        self._ask("stop_procs", {"mesh": mesh}).get()
+
+    def get_or_spawn_controller(self, name: str, cls: type, args: tuple, kwargs: dict) -> Future:
+        return self._ask("get_or_spawn_controller", {"name": name, "cls": cls, "args": args, "kwargs": kwargs})
+
+    def set_log_level(self, mesh: str, level: int) -> None:
+        self._ask("set_log_level", {"mesh": mesh, "level": level}).get()
+
+    def open_port(self, receiver: Any) -> tuple[str, str]:
+        return self.messenger.open_port(receiver)
+
+    def send_to_port(self, owner: str, port_id: str, ok: bool, value: Any, rank: int | None) -> None:
+        self.messenger.send_to_port(owner, port_id, ok, value, rank)
+
+    def _controller_only(self, what: str) -> Any:
+        raise RuntimeError(f"{what} from inside a worker is not supported; do it from the controller")
 
     def restart_proc(self, mesh: str, rank: int, timeout_s: float) -> None:
         self._controller_only("restarting procs")
@@ -349,6 +283,9 @@ class Proc:
     def interrupt(self, mesh: str, rank: int, actor: str) -> None:
         self._controller_only("interrupting actors")
 
+    def shutdown(self) -> None:
+        self.stop()
+
     # -- main --------------------------------------------------------------------------------------
     def serve(self) -> None:
         """Connect, say hello and run the IO loop until stopped."""
@@ -359,13 +296,6 @@ class Proc:
         self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
         self.channel.send(CONTROLLER, {"kind": Kind.HELLO, "pid": os.getpid()})
         self.channel.run_forever()
-
-
-def _error_info(exc: BaseException, message: str | None = None) -> dict:
-    info = capture_traceback(exc)
-    if message:
-        info["message"] = f"{message}: {info['message']}"
-    return info
 
 
 _current: "Proc | None" = None
@@ -389,4 +319,6 @@ def main(identity: str, plugins: Sequence[Plugin] = ()) -> None:
     for install in plugins:
         install(proc)
     import_grace.install(proc.heartbeat, env.import_lock_dir, env.import_slots)
+    install_log_prefix()
     proc.serve()
+    # stopped: return, so the interpreter finalizes normally (module finalizers run)

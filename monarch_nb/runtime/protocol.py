@@ -41,6 +41,10 @@ class Kind(str, Enum):
     CALL = "call"  # run an endpoint (CallHeader)
     SPAWN = "spawn"  # construct an actor (CallHeader, ep "__init__")
     REPLY = "reply"  # the answer to a call or spawn (ReplyHeader), to the caller
+    PORT = "port"  # a value for a port (PortHeader), to the process that opened it
+    STOP_ACTORS = "stop_actors"  # stop an actor mesh's actors on this proc (CallHeader, ep "__stop__"), replied
+    SUPERVISE = "supervise"  # a MeshFailure for an owner actor's __supervise__ (SuperviseHeader + pickled body)
+    LOG_LEVEL = "log_level"  # set the root logger's level (LogLevelHeader)
     # controller -> proc: control
     STOP = "stop"  # exit cleanly (actors' __cleanup__ run)
     INTERRUPT = "interrupt"  # interrupt the endpoint an actor runs (InterruptHeader)
@@ -53,6 +57,8 @@ class Kind(str, Enum):
     HEARTBEAT = "hb"  # alive, and what runs (HeartbeatHeader)
     ACTOR_ERROR = "actor_error"  # an endpoint raised (ActorErrorHeader)
     FAULT_FIRED = "fault_fired"  # an injected in-proc fault took effect (FaultFiredHeader)
+    ACTOR_FAILED = "actor_failed"  # an actor failed (ActorFailedHeader + pickled MeshFailure)
+    CONTROL = "control"  # a request an actor makes of the controller: spawn, stop, ... (ControlHeader), replied
     # controller -> host agent
     SPAWN_PROCS = "spawn_procs"  # start procs (JSON list of proc specs as the body)
     SIGNAL = "signal"  # send a signal to a proc (SignalHeader)
@@ -81,12 +87,42 @@ class CallHeader(TypedDict, total=False):
     cid: str  # call id (absent for broadcast: no reply wanted)
     reply_to: str  # the caller's identity
     idx: int  # the target's index in the call
+    port: list  # [owner, port id]: the reply goes to this port instead (send(..., port=))
+    mx: list  # [labels, sizes] of the slice the call went to, when not the spawn mesh (current_rank)
+    mi: int  # the target's index in that slice
+    asep: int  # 1: call a method not marked @endpoint (as_endpoint)
 
 
 class ReplyHeader(TypedDict):
     cid: str
     idx: int
     ok: bool
+
+
+class PortHeader(TypedDict, total=False):
+    port: str  # the port's id at its owner
+    ok: bool  # False: the body is an exception for the receiver
+    prank: int  # the sender's rank, for replies sent to a port (absent for port.send)
+
+
+class SuperviseHeader(TypedDict):
+    actor: str  # the owner actor mesh's id on this proc
+
+
+class ActorFailedHeader(TypedDict):
+    actor: str  # the failed actor mesh's id
+    rank: int  # the failed actor's rank in its mesh
+
+
+class ControlHeader(TypedDict):
+    op: str  # spawn_procs, spawn_actors, stop_actors, stop_procs, initialized, get_or_spawn_controller, ...
+    cid: str
+    reply_to: str
+    idx: int
+
+
+class LogLevelHeader(TypedDict):
+    level: int
 
 
 class InterruptHeader(TypedDict):

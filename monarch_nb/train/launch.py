@@ -129,7 +129,7 @@ class Launch:
             self._settle_restarts()
             name = "trainer" if not attempt else f"trainer_{attempt}"
             try:
-                mesh = self._stoppable(lambda: self.procs.spawn(name, Trainer, *args), lambda: None)
+                mesh = self._stoppable(lambda: _constructed(self.procs.spawn(name, Trainer, *args)), lambda: None)
                 break
             except SupervisionError as exc:  # a proc failed meanwhile: restart it, spawn again
                 if attempt == 3:
@@ -179,3 +179,10 @@ class Launch:
         start = min(values.values())
         self.start_step = self.next_commit = self.next_dispatch = start
         self.run.step = start
+
+
+def _constructed(mesh):
+    """``mesh`` once every actor of it is constructed (``spawn`` returns at once); raises the
+    constructor's ActorError or the SupervisionError of a proc that failed meanwhile."""
+    mesh.initialized.get()
+    return mesh

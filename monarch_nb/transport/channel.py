@@ -1,14 +1,25 @@
-"""A ZeroMQ socket owned by one IO thread, with a thread-safe send queue and timers.
+"""A ZeroMQ socket with one receiving thread at a time, a thread-safe send path, and timers.
 
 ZeroMQ sockets must not be used by two threads at once, so every use of the socket happens under
 one lock. Any thread may call :meth:`Channel.send`: the message is numbered, signed and sent
 under that lock, so sequence numbers follow send order (the receiver's replay guard relies on it)
-and no thread hand-off is paid on the send path (on a small VM each wake-up of another thread
-costs about as much as a whole ZeroMQ hop). The IO thread waits on the socket's ZMQ_FD *without*
-the lock and takes it only to receive. ZMQ_FD is edge-triggered and a send may consume its edge,
-so after every send the sender checks ZMQ_EVENTS and wakes the IO thread if input is pending.
-Received messages are verified (:func:`monarch_nb.transport.wire.decode`) and the replay guard
-is applied before ``on_message`` runs on the IO thread; bad ones are dropped and counted.
+and no thread hand-off is paid on the send path.
+
+Receiving moves to the thread that is waiting (leader/followers): one thread at a time holds the
+*receive lease* and runs the loop: it waits on the socket's ZMQ_FD (without the socket lock),
+receives, verifies and dispatches every message (``on_message``), and runs due timers. A thread
+blocked on a reply (:meth:`lead`, used by ``Future.get``) and an actor thread waiting for work
+lead themselves, so the reply or the call wakes the very thread that needs it: on a small
+machine each wake-up of another thread costs about as much as a whole ZeroMQ hop. The IO thread
+leads when no one else does: it yields to a waiting thread at once, and takes the lease back
+when it has been free for :data:`TAKEOVER_S` (an endpoint is running), so control messages and
+heartbeat timers are never held up longer than that. Handlers therefore run on whichever thread
+leads, one at a time.
+
+ZMQ_FD is edge-triggered and a send may consume its edge, so after every send the sender checks
+ZMQ_EVENTS and wakes the leader if input is pending. Received messages are verified
+(:func:`monarch_nb.transport.wire.decode`) and the replay guard is applied before ``on_message``
+runs; bad ones are dropped and counted.
 
 The controller's channel is a ROUTER bound to an address; procs and host agents connect a
 DEALER whose routing identity is their name. Identities may carry an incarnation after ``#``
@@ -32,7 +43,7 @@ import zmq
 
 from . import shm
 from .keys import Trust
-from .wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
+from .wire import MAGIC, BadMessage, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
@@ -81,6 +92,23 @@ def curve_server(sock: zmq.Socket, trust: Trust | None) -> Iterator[None]:
 
 MessageHandler = Callable[[dict, Any, list, list], None]
 
+#: Seconds the receive lease may stay free (its last leader runs an endpoint) before the IO
+#: thread takes it back to receive and run timers.
+TAKEOVER_S = 0.002
+#: Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
+_ZERO_COPY_MIN_BYTES = 64 * 1024
+# plain ints: pyzmq's enum members cost an enum construction on every `&`
+_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK),
+                                                   int(zmq.SNDMORE), int(zmq.RCVMORE))
+#: How often the IO thread looks at the lease while another thread holds it (seconds): a leader
+#: that starts a long endpoint leaves messages and timers waiting at most this much more.
+_IO_RECHECK_S = 0.02
+
+
+def _is_route(frame: bytes) -> bool:
+    """A destination frame (a routing identity), not a message envelope."""
+    return type(frame) is bytes and len(frame) < 256 and not (frame.startswith(MAGIC) and len(frame) > 40)
+
 
 class Channel:
     """One socket, one IO thread. ``router=True`` binds a ROUTER; otherwise a DEALER connects.
@@ -118,11 +146,23 @@ class Channel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._readers: dict[int, Callable[[int], None]] = {}
-        self._readers_lock = threading.Lock()
+        self._readers_version = 0
+        self._route_frames: dict[str, bytes] = {}
+        self._peers: set[bytes] = set()  # ROUTER: identities that sent a verified message (forward targets)
+        self._own_route = route_id(identity).encode()
         self._timers: list[list] = []  # [next_due, interval_s, fn]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        self._lease = threading.Lock()  # held by the thread that receives (see the module docstring)
+        self._leader: int | None = None  # that thread's ident
+        self._leader_is_io = False
+        self._released_at = 0.0
+        self._wanting = 0  # threads waiting to lead (callers, idle actors): the IO thread yields
+        self._callers = 0  # threads blocked on a reply waiting to lead: idle actors yield too
+        self._count_lock = threading.Lock()
+        self._local = threading.local()  # per leading thread: its poller
         self.dropped = collections.Counter()  # reason -> count
+        self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
@@ -150,16 +190,14 @@ class Channel:
         self.address = address
 
     def add_reader(self, fd: int, callback: Callable[[int], None]) -> None:
-        """Call ``callback(fd)`` on the IO thread when ``fd`` is readable. Any thread."""
-        with self._readers_lock:
-            self._readers[fd] = callback
-        if self._thread is not None and threading.current_thread() is not self._thread:
-            self._wake()
+        """Call ``callback(fd)`` on the receiving thread when ``fd`` is readable (any thread)."""
+        self._readers[fd] = callback
+        self._readers_version += 1
+        self._wake()
 
     def remove_reader(self, fd: int) -> None:
-        """Stop watching ``fd``. Any thread; on the IO thread it takes effect at once."""
-        with self._readers_lock:
-            self._readers.pop(fd, None)
+        self._readers.pop(fd, None)
+        self._readers_version += 1
 
     def every(self, interval_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the IO thread every ``interval_s`` seconds. Call before :meth:`start`."""
@@ -184,9 +222,16 @@ class Channel:
             self._seq += 1
             header["seq"] = self._seq
             frames = encode(self._signer, header, body, buffers)
-            if self.router:
-                frames.insert(0, route_id(dst).encode())
+            # a ROUTER's first frame routes; a DEALER's names the destination, so that the hub can
+            # forward the message to another peer without reading it (the receiver verifies it)
+            frames.insert(0, self._route_frame(dst))
             self._send_locked(frames)
+
+    def _route_frame(self, dst: str) -> bytes:
+        frame = self._route_frames.get(dst)
+        if frame is None:
+            frame = self._route_frames[dst] = route_id(dst).encode()
+        return frame
 
     def _export_large(self, header: dict, buffers: Sequence[Any]) -> list:
         out = list(buffers)
@@ -217,13 +262,22 @@ class Channel:
         if self._closed.is_set():
             return
         try:
-            self._sock.send_multipart(frames, copy=False)
-            pending_input = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            sock = self._sock
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                # small frames are copied (cheaper than a zero-copy frame's bookkeeping), buffers are not
+                size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+                sock.send(frame, _SNDMORE if i < last else 0, copy=size < _ZERO_COPY_MIN_BYTES)
+            pending_input = sock.getsockopt(_EVENTS) & _POLLIN
         except zmq.ZMQError as exc:
             log.warning("send failed: %s", exc)
             return
-        if pending_input and threading.current_thread() is not self._thread:
+        if pending_input and threading.get_ident() != self._leader:
             self._wake()
+
+    def wake(self) -> None:
+        """Make the thread that receives look again (a message was queued for it meanwhile)."""
+        self._wake()
 
     def _wake(self) -> None:
         try:
@@ -231,48 +285,115 @@ class Channel:
         except OSError:  # closed, or the pipe is full (the IO thread is awake anyway)
             pass
 
-    # -- IO loop --------------------------------------------------------------------------------
+    # -- receiving: the lease --------------------------------------------------------------------
     def _run(self) -> None:
+        """The IO thread: lead whenever no other thread does (yielding to any that wants to)."""
         self._thread = threading.current_thread()
-        poller = select.poll()
-        sock_fd = self._sock.getsockopt(zmq.FD)
-        poller.register(sock_fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        registered: set[int] = set()
         while not self._closed.is_set():
-            with self._readers_lock:
-                wanted = set(self._readers)
-            if wanted != registered:
-                for fd in wanted - registered:
-                    poller.register(fd, select.POLLIN)
-                    registered.add(fd)
-                for fd in registered - wanted:
-                    poller.unregister(fd)
-                    registered.discard(fd)
-            timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
-            try:
-                events = poller.poll(timeout_ms)
-            except InterruptedError:
+            if self._lease.locked():  # another thread leads: look again later
+                time.sleep(_IO_RECHECK_S)
                 continue
-            for fd, _ in events:
-                if fd == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                elif fd != sock_fd:
-                    with self._readers_lock:
-                        callback = self._readers.get(fd)
-                    if callback is not None:
-                        self._guarded(callback, fd)
-            self._receive_all()
-            self._run_timers()
+            free_for = time.monotonic() - self._released_at
+            if self._wanting == 0 and free_for >= TAKEOVER_S and self._lease.acquire(blocking=False):
+                self._lead_locked(lambda: self._wanting > 0, None, io=True)
+                continue
+            time.sleep(max(TAKEOVER_S - free_for, 0.0005))
+
+    def lead(self, done: Callable[[], bool], timeout: float | None = None, caller: bool = True) -> bool:
+        """Receive and dispatch messages on this thread until ``done()`` or ``timeout`` seconds.
+
+        A ``caller`` (a thread blocked on a reply) waits for the lease; another thread (an idle
+        actor) only takes it if it is free or held by the IO thread, and gives it up to a caller.
+        Returns True when ``done()`` held, False on timeout or when the lease was not taken (the
+        thread then waits in its own way: some leader dispatches to it).
+        """
+        if self._closed.is_set():
+            return done()
+        if self._leader == threading.get_ident():  # a handler waiting on a reply: already leading
+            return done()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._count_lock:
+            self._wanting += 1
+            if caller:
+                self._callers += 1
+        try:
+            while not done():
+                if self._lease.acquire(blocking=False):
+                    return self._lead_locked(done, deadline, io=False, yields=not caller)
+                if self._leader_is_io:
+                    self._wake()  # the IO thread yields to us
+                if not caller and not self._leader_is_io:
+                    return False  # another thread leads and will dispatch to us
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if self._lease.acquire(timeout=min(0.001, left) if left is not None else 0.001):
+                    return self._lead_locked(done, deadline, io=False, yields=not caller)
+            return True
+        finally:
+            with self._count_lock:
+                self._wanting -= 1
+                if caller:
+                    self._callers -= 1
+
+    def _lead_locked(self, done: Callable[[], bool], deadline: float | None, io: bool, yields: bool = True) -> bool:
+        """Run the loop holding the lease until ``done()`` (or, for the IO thread, until another
+        thread wants to lead); release it."""
+        self._leader = threading.get_ident()
+        self._leader_is_io = io
+        try:
+            while not self._closed.is_set():
+                poller = self._poller()
+                if done():
+                    return True
+                if not io and yields and self._callers > 0:
+                    return False  # an idle actor gives way to a thread blocked on a reply
+                timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
+                if deadline is not None:
+                    timeout_ms = min(timeout_ms, max(0, int((deadline - time.monotonic()) * 1000) + 1))
+                try:
+                    events = poller.poll(timeout_ms)
+                except InterruptedError:
+                    continue
+                for fd, _ in events:
+                    if fd == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 65536)
+                        except (BlockingIOError, OSError):
+                            pass
+                    elif fd != self._wake_r:
+                        callback = self._readers.get(fd)  # may be removed by another thread meanwhile
+                        if callback is not None:
+                            self._guarded(callback, fd)
+                self._receive_all()
+                self._run_timers()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return done()
+            return done()
+        finally:
+            self._leader = None
+            self._leader_is_io = False
+            self._released_at = time.monotonic()
+            self._lease.release()
+
+    def _poller(self) -> "select.poll":
+        """This thread's poller over the socket, the wake pipe and the readers (kept current)."""
+        local = self._local
+        if getattr(local, "version", None) != self._readers_version or getattr(local, "poller", None) is None:
+            version = self._readers_version
+            poller = select.poll()
+            poller.register(self._sock.getsockopt(zmq.FD), select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+            for fd in tuple(self._readers):
+                poller.register(fd, select.POLLIN)
+            local.poller, local.version = poller, version
+        return local.poller
 
     def _input_pending(self) -> bool:
         with self._lock:
             if self._closed.is_set():
                 return False
-            return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            return bool(self._sock.getsockopt(_EVENTS) & _POLLIN)
 
     def _guarded(self, fn: Callable, *args: Any) -> None:
         try:
@@ -285,18 +406,28 @@ class Channel:
             with self._lock:
                 if self._closed.is_set():
                     return
+                if not self._sock.getsockopt(_EVENTS) & _POLLIN:
+                    return  # cheaper than raising zmq.Again
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = self._recv_frames()
                 except zmq.Again:
                     return
                 except zmq.ZMQError as exc:
                     log.warning("recv failed: %s", exc)
                     return
-            if self.router:
-                frames = frames[1:]
             if self.muted_until and time.monotonic() < self.muted_until:
                 self.dropped["partitioned"] += 1
                 continue
+            sender = None
+            if self.router:
+                sender, frames = frames[0], frames[1:]
+                if len(frames) >= 2 and _is_route(frames[0]):
+                    dst, frames = frames[0], frames[1:]
+                    if dst != self._own_route and dst in self._peers:
+                        self.forwarded += 1  # another peer's: pass it on unread (the receiver verifies it)
+                        with self._lock:
+                            self._send_locked([dst, *frames])
+                        continue
             try:
                 header, body, buffers = decode(self._signer, frames)
             except BadMessage as exc:
@@ -307,6 +438,8 @@ class Channel:
                 self.dropped["replayed"] += 1
                 log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
                 continue
+            if sender is not None:
+                self._peers.add(sender)
             if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
                 try:
                     buffers = self._import_large(header, buffers)
@@ -315,6 +448,19 @@ class Channel:
                     log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
                     continue
             self._guarded(self._on_message, header, body, buffers, frames)
+
+    def _recv_frames(self) -> list:
+        """One message's frames (socket lock held): the envelope (and a ROUTER's identity) as
+        bytes, the buffers after it as zero-copy frames. Raises zmq.Again if none is waiting."""
+        sock = self._sock
+        frames = [sock.recv(_NOBLOCK)]
+        for _ in range(2 if self.router else 0):  # a ROUTER's sender and destination frames: small, copied
+            if not sock.getsockopt(_RCVMORE):
+                return frames
+            frames.append(sock.recv())
+        while sock.getsockopt(_RCVMORE):
+            frames.append(sock.recv(copy=False))
+        return frames
 
     def _next_timer_ms(self) -> int:
         if not self._timers:
