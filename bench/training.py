@@ -316,7 +316,7 @@ def heal_memory(args) -> dict:
     """Peak extra RSS of a donor streaming ~75 MB of state to a joiner (one heal, in isolation)."""
     from monarch_nb import this_host
     from monarch_nb.runtime.controller import Controller
-    from monarch_nb.runtime.rendezvous import loopback_store
+    from monarch_nb.runtime.rendezvous import controller_store
     from monarch_nb.train import Trainer, Workload
 
     def model_fn():
@@ -329,7 +329,7 @@ def heal_memory(args) -> dict:
     use_transport("ipc")
     x = torch.randn(64, 1024)
     workload = Workload.custom(model_fn, (x, x.clone()), torch.nn.functional.mse_loss, batch_size=8)
-    store = loopback_store(timeout_s=60)
+    store = controller_store(timeout_s=60)
     with this_host().spawn_procs(per_host={"gpus": 2}) as procs:
         trainers = procs.spawn("t", Trainer, workload, 0, 1e-3, 8, "127.0.0.1", store.port, "gloo", 30.0, 4 << 20)
         trainers.setup.call().get(120)

@@ -1,9 +1,12 @@
 """``monarch-nb train`` and ``monarch-nb report``: fault-tolerant training from the command line.
 
     monarch-nb train --procs 4 --steps 300 --fault kill@120:rank=2 --fault hang@200:rank=1
+    monarch-nb train --procs 2 --hosts 10.0.0.2:26600,10.0.0.3:26600 --ca /shared/mnb-keys
+    monarch-nb train --procs 2 --job .monarch/job_state.json [--mesh trainers]
     monarch-nb report report.json
 
-``train`` trains on a local mesh with a progress bar, injects the faults, and prints the report;
+``train`` trains on a local mesh (or ``--procs`` per host on attached workers or a saved job's
+hosts) with a progress bar, injects the faults, and prints the report;
 exits 0 on success, 2 on bad input (before any worker starts), 1 if the run failed, 130 when
 interrupted (Ctrl-C), after printing the partial report. ``report`` prints the text report of a
 run saved with ``--report-json``.
@@ -32,9 +35,17 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="fault-tolerant data-parallel training on a local mesh, with injected faults and a report",
-        description="Train on real data over a local mesh of worker processes; survive injected faults.",
+        description="Train on real data over a local mesh of worker processes (or on the hosts of --hosts or "
+                    "--job); survive injected faults.",
+        epilog="Across hosts: start `monarch-nb worker --address tcp://HOST:PORT --curve-keys DIR` on each\n"
+               "host (or a job: monarch_nb.job.SlurmJob / SSHJob, whose state() writes .monarch/job_state.json),\n"
+               "then\n"
+               "  monarch-nb train --procs 2 --hosts 10.0.0.2:26600,10.0.0.3:26600 --ca DIR\n"
+               "  monarch-nb train --procs 2 --job .monarch/job_state.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--procs", type=positive_int, default=4, help="worker processes / data-parallel ranks (default 4)")
+    p.add_argument("--procs", type=positive_int, default=4,
+                   help="worker processes / data-parallel ranks (default 4); per host with --hosts or --job")
     p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--workload", choices=("digits", "charlm"), default="digits",
                    help="digits: MLP on sklearn's handwritten digits (default); charlm: byte-level transformer LM on --text")
@@ -54,6 +65,12 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="warm spare procs (torch loaded) that take a failed rank's place (default 1; 0: none)")
     p.add_argument("--report-json", metavar="PATH", help="write the report (with the sample ledger) as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    where = p.add_argument_group("across hosts")
+    where.add_argument("--hosts", metavar="H:P[,H:P...]",
+                       help="train on these workers (`monarch-nb worker --address tcp://H:P`): ranks host by host")
+    where.add_argument("--ca", metavar="DIR", help="with --hosts: the cluster's keys (`monarch-nb keys DIR`) the workers use")
+    where.add_argument("--job", metavar="FILE", help="train on the hosts of a saved job (job.state() writes .monarch/job_state.json)")
+    where.add_argument("--mesh", metavar="NAME", help="with --job: which of its host meshes (default: its first)")
     p.set_defaults(func=run_train)
     return p
 
@@ -68,6 +85,23 @@ def add_report_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from ..job import placement as placement_mod
+
+    try:
+        placement = placement_mod.resolve(args.hosts, args.job, args.ca, args.mesh)
+    except ValueError as exc:
+        print(f"monarch-nb train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _train(args, placement)
+    finally:
+        if placement.attached:  # their worker loops wait for the next controller (a job keeps running)
+            from ..runtime.controller import Controller
+
+            Controller.get().detach_hosts(placement.attached)
+
+
+def _train(args: argparse.Namespace, placement) -> int:
     from .progress import follow
     from .run import start
 
@@ -76,11 +110,13 @@ def run_train(args: argparse.Namespace) -> int:
             args.workload, procs=args.procs, steps=args.steps, faults=args.fault, seed=args.seed,
             lr=args.lr, batch_size=args.batch_size, text=args.text, backend=args.backend,
             chaos_mtbf_s=args.chaos_mtbf, eval_every=args.eval_every, spares=args.spares,
-            report_json=args.report_json,
+            report_json=args.report_json, hosts=placement.host_mesh,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"monarch-nb train: error: {exc}", file=sys.stderr)
         return 2
+    if placement.host_mesh is not None:
+        print(f"training on {placement.where}", file=sys.stderr)
     interrupted = False
     try:
         follow(run, progress=not args.no_progress)

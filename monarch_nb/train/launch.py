@@ -70,11 +70,10 @@ class Launch:
         from ..actor.context import this_host
         from ..actor.mesh import HostMesh
         from ..runtime.controller import Controller
-        from ..runtime.rendezvous import loopback_store
+        from ..runtime.rendezvous import controller_store
 
         o = self.o
         self.run.phase("spawning")
-        self.m.store = loopback_store(timeout_s=o.collective_timeout_s)  # here, never in a worker
         extra: dict = {}
         if o.spares:
             if "spares" in inspect.signature(HostMesh.spawn_procs).parameters:
@@ -82,7 +81,7 @@ class Launch:
                 self.spares = o.spares
             else:
                 log.info("this runtime keeps no warm spares; a failed rank restarts in a fresh process")
-        host = this_host()
+        host = o.host_mesh if o.host_mesh is not None else this_host()
         for attempt in range(3):
             name = self.mesh_name = self.run.mesh_name = self._mesh_name()
 
@@ -90,7 +89,7 @@ class Launch:
                 Controller.get().stop_procs(name, timeout_s=1.0)
 
             try:
-                self.procs = self._stoppable(lambda: host.spawn_procs(per_host={"gpus": o.procs}, name=name, **extra),
+                self.procs = self._stoppable(lambda: host.spawn_procs(per_host={"gpus": o.procs_per_host}, name=name, **extra),
                                              stop_mesh)
                 break
             except RuntimeError as exc:  # a proc died or did not say hello while starting
@@ -98,6 +97,9 @@ class Launch:
                 if attempt == 2:
                     raise TrainingError(f"could not start {o.procs} procs: {first}") from None
                 log.warning("starting the procs failed (%s); starting them again", first)
+        # the run's own store (here, never in a worker; one it can abort), where every host reaches it
+        self.store_host = Controller.get().rendezvous_host(self.procs.name)
+        self.m.store = controller_store(self.store_host, timeout_s=o.collective_timeout_s)
         self.m.procs = self.procs
         self.run.procs_ready(self.procs)
         self.run.unsubscribe_events = Controller.get().events.subscribe(self.m.on_event)
@@ -120,7 +122,7 @@ class Launch:
 
         o, m = self.o, self.m
         self.run.phase("constructing")
-        args = (o.workload, o.seed, o.lr, o.global_batch, "127.0.0.1", m.store.port, o.backend,
+        args = (o.workload, o.seed, o.lr, o.global_batch, self.store_host, m.store.port, o.backend,
                 o.collective_timeout_s, o.chunk_bytes)
         for rank in range(o.procs):
             m.state[rank] = RankState.LIVE
@@ -137,7 +139,8 @@ class Launch:
                 m.fail_rank(exc.rank, exc)
             except ActorError as exc:
                 raise TrainingError(f"the Trainer could not be built: {exc}") from None
-        m.trainers = {r: mesh.slice(gpus=r) for r in range(o.procs)}
+        ranks = mesh.flatten("rank")  # host by host: {hosts: H, gpus: G} -> rank = host * G + gpu
+        m.trainers = {r: ranks.slice(rank=r) for r in range(o.procs)}
         live = m.live
         futures = {r: m.trainers[r].setup.call_one() for r in live}
         values, errors = wait_all(futures, o.restart_timeout_s, self.run.stop_event)

@@ -20,11 +20,14 @@ class TrainOptions:
 
     Times are seconds; ``window_steps`` None means windows sized to last about ``window_s``;
     ``snapshot_every`` None means snapshots as often as ``snapshot_budget`` of the step time
-    allows, 0 means none.
+    allows, 0 means none. ``procs`` is the number of ranks (``procs_per_host`` on each host of
+    ``host_mesh``; ``host_mesh`` None: this machine).
     """
 
     workload: Workload
     procs: int
+    procs_per_host: int
+    host_mesh: Any
     steps: int
     faults: list
     seed: int
@@ -61,6 +64,26 @@ def _positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _host_count(hosts: Any) -> int:
+    """How many hosts ``hosts`` (None: this machine, or a HostMesh) has.
+
+    Raises:
+        TypeError: ``hosts`` is something else (the message says where a HostMesh comes from).
+    """
+    if hosts is None:
+        return 1
+    from ..actor.mesh import HostMesh
+
+    if not isinstance(hosts, HostMesh):
+        raise TypeError(
+            f"hosts must be a HostMesh, got {type(hosts).__name__}: attach the workers with "
+            "monarch_nb.attach_to_workers(['tcp://HOST:PORT', ...], ca=KEYS) or take a job's "
+            "(job.state().trainers); leave hosts out to train on this machine")
+    if len(hosts) == 0:
+        raise ValueError("hosts is an empty HostMesh: attach at least one worker")
+    return len(hosts)
 
 
 def check_backend(backend: str | None) -> None:
@@ -110,16 +133,20 @@ def make_options(
     pipeline: int = 2,
     snapshot_every: int | None = None,
     snapshot_budget: float = 0.005,
+    hosts: Any = None,
 ) -> TrainOptions:
     """Check every option and build :class:`TrainOptions`; nothing is started.
 
     Raises:
         ValueError: a bad value (the message names the option and the fix).
+        TypeError: ``hosts`` is not a HostMesh.
         FileNotFoundError: the ``text`` file does not exist.
     """
     from ..config import config
 
     _positive_int("procs", procs)
+    per_host = procs
+    procs = per_host * _host_count(hosts)
     _positive_int("steps", steps)
     check_backend(backend)
     wl = get_workload(workload, text=text, seed=seed)
@@ -152,7 +179,7 @@ def make_options(
     _positive_number("collective_timeout_s", collective_timeout_s)
     return TrainOptions(
         workload=wl, procs=procs, steps=steps, faults=specs, seed=seed, lr=lr or wl.default_lr,
-        global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s, chaos_kinds=tuple(chaos_kinds),
+        procs_per_host=per_host, host_mesh=hosts, global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s, chaos_kinds=tuple(chaos_kinds),
         eval_every=eval_every, collective_timeout_s=collective_timeout_s, restart_timeout_s=restart_timeout_s,
         chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         report_json=report_json, keep_parameters=keep_parameters, spares=spares, window_steps=window_steps,

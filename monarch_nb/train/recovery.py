@@ -279,9 +279,13 @@ class Membership:
             time.sleep(0.005)
 
     def _restart(self, rank: int) -> None:
-        """A restart thread: restart ``rank`` (a warm spare takes its place when there is one)."""
+        """A restart thread: restart ``rank`` (a warm spare takes its place when there is one).
+        While the rank's host is lost, wait for it to be attached again (not an attempt)."""
+        from ..runtime.hosts import AttachError
+
         last: BaseException | None = None
-        for attempt in range(_RESTART_ATTEMPTS):
+        attempt = 0
+        while attempt < _RESTART_ATTEMPTS:
             if self.run.stopping:
                 return
             try:
@@ -294,15 +298,34 @@ class Membership:
                 return
             except MeshStoppedError:
                 return
+            except AttachError as exc:
+                if last is None or not isinstance(last, AttachError):
+                    log.warning("rank %d waits for its host to come back: %s", rank, exc)
+                last = exc
+                self._wait_for_host(rank)
+                continue
             except Exception as exc:
                 if self.run.stopping:
                     return
+                attempt += 1
                 last = exc
                 first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                log.warning("restarting rank %d failed (attempt %d of %d): %s", rank, attempt + 1, _RESTART_ATTEMPTS,
+                log.warning("restarting rank %d failed (attempt %d of %d): %s", rank, attempt, _RESTART_ATTEMPTS,
                             first_line)
         if not self.run.stopping:
             self.events.put(("restart_failed", rank, last))
+
+    def _wait_for_host(self, rank: int) -> None:
+        """Until the host of ``rank`` serves again (attached again after it was lost) or the run stops."""
+        from ..runtime.controller import Controller
+
+        controller = Controller.get()
+        host = controller.proc_record(self.procs.name, rank).host
+        while not self.run.stopping:
+            record = controller.hosts.get(host)
+            if record is None or record.state == ProcState.HEALTHY:
+                return
+            self.run.stop_event.wait(0.2)
 
     def on_ready(self, rank: int) -> None:
         if self.state.get(rank) == RankState.RESTARTING:

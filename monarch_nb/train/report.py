@@ -64,7 +64,8 @@ class TrainReport:
         final_loss: training loss of the last committed step.
         test_accuracy: accuracy on the held-out test set (None for language models).
         test_loss: loss on the test set.
-        steps: committed steps. procs: worker processes. workload: its name.
+        steps: committed steps. procs: worker processes (ranks). hosts: the hosts they ran on.
+        workload: its name.
         failures: one dict per failure (see :class:`FailureRecord`).
         steps_lost: steps whose update is missing from (or doubled in) the final parameters.
         steps_redone: step attempts that failed and were redone.
@@ -113,6 +114,7 @@ class TrainReport:
     snapshots: dict = field(default_factory=dict)
     restores: list = field(default_factory=list)
     ledger: dict | None = None
+    hosts: int = 1
 
     def to_dict(self, ledger: bool = False) -> dict:
         d = asdict(self)
@@ -167,8 +169,9 @@ class TrainReport:
             return "-" if v is None else format(v, spec)
 
         snap = self.snapshots or {}
+        on_hosts = f" on {self.hosts} hosts" if self.hosts > 1 else ""
         lines = [
-            f"training report: {self.workload} on {self.procs} procs ({self.backend}), global batch {self.global_batch}",
+            f"training report: {self.workload} on {self.procs} procs{on_hosts} ({self.backend}), global batch {self.global_batch}",
             f"  steps committed     {self.steps}{'  (stopped early)' if self.stopped_early else ''}",
             f"  final loss          {fmt(self.final_loss)}   (training loss of the last step)",
             f"  test accuracy       {fmt(self.test_accuracy)}",
@@ -238,6 +241,7 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         test_loss=ev.get("test_loss"),
         steps=len(run.ledger),
         procs=o.procs,
+        hosts=o.procs // o.procs_per_host,
         workload=o.workload.name,
         backend=o.backend or _default_backend(),
         global_batch=o.global_batch,

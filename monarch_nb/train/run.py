@@ -291,6 +291,7 @@ def start(
         ValueError: unknown workload, bad fault spec, fault at a rank or step that does not
             exist, more procs than training samples, bad sizes, backend "nccl" without a GPU.
         FileNotFoundError: the ``text`` file does not exist.
+        TypeError: ``hosts`` is not a HostMesh.
     """
     run = TrainingRun(make_options(workload, procs, steps, faults, seed, **options))
     run._thread.start()
@@ -312,7 +313,7 @@ def fit(
     Args:
         workload: "digits" (default), "charlm", or a :class:`~monarch_nb.train.workloads.Workload`
             (e.g. ``Workload.custom(model_fn, (x, y), torch.nn.functional.cross_entropy)``).
-        procs: number of worker processes (data-parallel ranks).
+        procs: number of worker processes (data-parallel ranks); per host with ``hosts``.
         steps: optimizer steps to commit.
         faults: fault specs (``"kill@120:rank=2"``, see :mod:`monarch_nb.faults.spec`).
         seed: seeds the model init, the data order and the chaos schedule.
@@ -329,13 +330,17 @@ def fit(
             ``snapshot_budget`` = 0.5% of step time; 0: none), ``checkpoint_dir`` /
             ``checkpoint_every`` / ``resume`` (disk checkpoints for full-job restarts),
             ``report_json`` (path to write the report to), ``keep_parameters`` (fetch every
-            replica's final parameters into ``run.parameters``).
+            replica's final parameters into ``run.parameters``), ``hosts`` (a HostMesh from
+            :func:`~monarch_nb.attach_to_workers` or ``job.state().trainers``: ``procs`` ranks
+            on each of its hosts, numbered host by host; the run's rendezvous store listens on
+            the controller's address those hosts reach; the ranks of a lost host are failed
+            ranks that wait for their host to be attached again, then rejoin).
 
     Returns:
         The :class:`TrainReport` (also written as JSON to ``report_json`` if given).
 
     Raises:
-        ValueError, FileNotFoundError: bad inputs (see :func:`start`), before any worker starts.
+        ValueError, FileNotFoundError, TypeError: bad inputs (see :func:`start`), before any worker starts.
         TrainingError: the run could not go on (e.g. every rank failed and nothing could be restored).
         KeyboardInterrupt: interrupted; the run was stopped first (``run.report()`` of
             :func:`start` gives the partial report).
