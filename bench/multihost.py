@@ -15,7 +15,8 @@ Measured in one run:
   raw pyzmq bulk rate on the link), with and without CurveZMQ;
 - a 2x2 mesh up and answering: attach 2 hosts, spawn 2 procs each, first call returns;
 - detection of a lost host: its agent SIGKILLed, and its link cut (``ip link set ... down``),
-  each from the act to the ``host_lost`` event (target <= hang_timeout_s + 1 s).
+  each from the act to the ``host_lost`` event (target <= hang_timeout_s + 1 s);
+- training steady state (digits, 4 ranks, CurveZMQ): 2 hosts x 2 procs vs this host x 4 procs.
 
 Prints a table and writes bench/results/multihost.json. Times in microseconds unless named.
 """
@@ -162,6 +163,21 @@ def bench_mesh(workers: list[str], ca: str, calls: int, bulk_rounds: int) -> dic
             "tensor_64mib_gbps": MIB64 / statistics.median(bulk) / 1e9}
 
 
+def bench_training(workers: list[str], ca: str, steps: int) -> dict:
+    """digits with 4 ranks, fault-free: on 2 hosts x 2 procs, and on this host alone x 4."""
+    from monarch_nb.train import fit
+
+    def figures(report) -> dict:
+        return {"throughput_samples_per_s": report.throughput_samples_per_s, "step_ms_median": report.step_time_ms_median,
+                "setup_s": report.setup_time_s, "replicas_identical": report.replicas_identical}
+
+    one = fit("digits", procs=4, steps=steps, eval_every=0, progress=False)
+    hosts = monarch_nb.attach_to_workers(workers, ca=ca)
+    two = fit("digits", procs=2, steps=steps, eval_every=0, progress=False, hosts=hosts)
+    return {"steps": steps, "one_host": figures(one), "two_hosts": figures(two),
+            "ratio": two.throughput_samples_per_s / one.throughput_samples_per_s}
+
+
 def bench_detection(cluster: NetnsCluster, ca: str, trials: int) -> dict:
     from monarch_nb.supervision.records import ProcState
 
@@ -197,10 +213,11 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=1000, help="round trips per latency figure (default 1000)")
     parser.add_argument("--bulk", type=int, default=5, help="64 MiB round trips per throughput figure (default 5)")
     parser.add_argument("--trials", type=int, default=5, help="host losses per detection figure (default 5)")
-    parser.add_argument("--quick", action="store_true", help="200 calls, 3 bulk rounds, 2 trials")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per steady-state figure (default 400)")
+    parser.add_argument("--quick", action="store_true", help="200 calls, 3 bulk rounds, 2 trials, 150 steps")
     args = parser.parse_args()
     if args.quick:
-        args.calls, args.bulk, args.trials = 200, 3, 2
+        args.calls, args.bulk, args.trials, args.steps = 200, 3, 2, 150
     why = namespaces_unavailable()
     if why is not None:
         print(f"bench/multihost.py: {why}", file=sys.stderr)
@@ -214,6 +231,7 @@ def main() -> int:
         results["floor"] = bench_floor(with_curve, args.calls, args.bulk)
         results["floor_curve"] = bench_floor(with_curve, args.calls, args.bulk, curve_dir=curve, port=26701)
         results["curve"] = bench_mesh(with_curve.addresses, curve, args.calls, args.bulk)
+        results["training"] = bench_training(with_curve.addresses, curve, args.steps)
         Controller.get().shutdown()
         results["detection"] = bench_detection(with_curve, curve, args.trials)
         Controller.get().shutdown()
@@ -248,6 +266,11 @@ def main() -> int:
         d = results["detection"][how]
         rows.append((f"host lost: {how[:-2].replace('_', ' ')}, s", f"{d['median_s']:.2f}", f"p95 {d['p95_s']:.2f}",
                      "target <= hang_timeout_s + 1 = 2.0"))
+    t = results["training"]
+    rows.append(("training digits 2 hosts x 2 procs, samples/s", f"{t['two_hosts']['throughput_samples_per_s']:.0f}",
+                 f"step {t['two_hosts']['step_ms_median']:.1f} ms", f"{t['ratio']:.2f}x the same on 1 host x 4 procs"))
+    rows.append(("training digits 1 host x 4 procs, samples/s", f"{t['one_host']['throughput_samples_per_s']:.0f}",
+                 f"step {t['one_host']['step_ms_median']:.1f} ms", ""))
     width = max(len(r[0]) for r in rows)
     print(f"multihost, 2 namespace hosts on {os.cpu_count()} cores, hang_timeout_s 1.0")
     for name, value, extra, target in rows:

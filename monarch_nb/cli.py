@@ -2,6 +2,7 @@
 
     monarch-nb demo [--procs N]        start a local CPU mesh, call actors, inject a fault, recover
     monarch-nb train [--procs N] [--steps S] [--fault kill@120:rank=2 ...]   fault-tolerant training + report
+    monarch-nb report FILE.json        print the report of a run saved with `train --report-json`
     monarch-nb install-kernel [--user|--sys-prefix|--prefix P]   the "Monarch (Python 3)" kernelspec
     monarch-nb keys DIR                make a cluster's keys (HMAC + CurveZMQ) for hosts to share
     monarch-nb worker --address tcp://HOST:PORT --curve-keys DIR   serve as a host of a cluster
@@ -51,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", help="this host's name in the supervision tree (default: the hostname)")
     worker.add_argument("--announce", metavar="FILE", help="also write the announcement (address, pid; JSON) to FILE")
     worker.set_defaults(func=_worker)
-    from .train.cli import add_train_parser
+    from .train.cli import add_report_parser, add_train_parser
 
     add_train_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

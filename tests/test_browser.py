@@ -200,12 +200,12 @@ def test_kill_from_the_tree_while_a_cell_waits(lab):
         expect(wait_cell.locator(".jp-InputPrompt")).to_contain_text("*")  # still waiting
         old_pid = rank3.get_attribute("data-pid")
         kill.click()
-        expect(rank3).to_have_attribute("data-state", "failed", timeout=10_000)
+        # a warm spare takes the rank's place within milliseconds: the failure count shows the kill
+        expect(rank3).to_have_attribute("data-failures", "1", timeout=10_000)
         # the click was handled while the cell still waited for training to end
         expect(wait_cell.locator(".jp-InputPrompt")).to_contain_text("*")
         expect(indicator).to_have_attribute("data-status", "busy")
         page.screenshot(path=str(ARTIFACTS / "02_tree_rank3_failed.png"), full_page=True)
-        expect(rank3).to_have_attribute("data-failures", "1")
         expect(rank3).to_have_attribute("data-state", _HEALTHY, timeout=60_000)
         assert rank3.get_attribute("data-pid") != old_pid
         assert int(rank3.get_attribute("data-restarts")) >= 1

@@ -3,6 +3,7 @@ network namespace, SlurmJob through a real slurmctld + slurmd (scripts/slurm-loc
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -114,11 +115,23 @@ def test_slurm_job_submits_attaches_trains_and_cancels(slurm, tmp_path):
     job = SlurmJob({"trainers": 2}, ntasks_per_node=2, worker_host="127.0.0.1", log_dir=str(tmp_path / "slurm"),
                    time_limit="00:10:00", start_timeout_s=120)
     try:
+        job.apply().dump(state_file)  # submitted; `monarch-nb train --job` attaches its workers
+        job_id = job.running["job_id"]
+        report_json = str(tmp_path / "report.json")
+        trained = subprocess.run(
+            [sys.executable, "-m", "monarch_nb.cli", "train", "--job", state_file, "--procs", "1", "--steps", "30",
+             "--eval-every", "0", "--no-progress", "--report-json", report_json],
+            capture_output=True, text=True, timeout=240, cwd=REPO)
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        assert "training on host mesh 'trainers' of the SlurmJob" in trained.stderr
+        report = json.load(open(report_json))
+        assert (report["procs"], report["hosts"], report["steps"]) == (2, 2, 30)
+        assert (report["samples_lost"], report["samples_repeated"], report["replicas_identical"]) == (0, 0, True)
+        # the CLI's controller let the workers go: this one attaches them again
         state = job.state(cached_path=state_file)
         assert job.slurm_state() == "RUNNING"
         assert dict(state.trainers.extent) == {"hosts": 2}
         assert _use(state.trainers) == [2, 2]
-        job_id = job.running["job_id"]
     finally:
         job.kill(cached_path=state_file)
     wait_until(lambda: job.slurm_state({"job_id": job_id}) == "GONE" or "CANCELLED" in job.slurm_state({"job_id": job_id}),

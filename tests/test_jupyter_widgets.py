@@ -229,8 +229,8 @@ def test_dashboard_from_synthetic_metrics():
     dash = TrainingDashboard(total_steps=100)
     try:
         for step in range(60):
-            dash.add_metric({"step": step, "loss": 2.0 / (step + 1), "accuracy": step / 100, "time_s": step * 0.01,
-                             "epoch": 0, "live_ranks": [0, 1, 2, 3] if step < 30 else [0, 1, 3],
+            dash.add_metric({"step": step, "loss": 2.0 / (step + 1), "batch_accuracy": step / 100, "time_s": step * 0.01,
+                             "quorum": 1, "live_ranks": [0, 1, 2, 3] if step < 30 else [0, 1, 3],
                              "grad_norm": 10.0 / (step + 1)})
         dash.add_record({"kind": "rank_failed", "step": 30, "rank": 2, "detection_ms": 35.0})
         dash.add_record({"kind": "resumed", "step": 30, "resume_ms": 120.0})

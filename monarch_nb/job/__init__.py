@@ -9,6 +9,8 @@ small state file (``.monarch/job_state.json`` by default), so a restarted kernel
 - :class:`LocalJob`: worker loops on this machine (tests, a laptop, one big box).
 - :class:`SSHJob`: worker loops started on hosts through the system ``ssh``.
 - :class:`SlurmJob`: worker loops started by ``srun`` inside an ``sbatch`` allocation.
+- :mod:`.placement`: ``--hosts``/``--ca`` and ``--job``/``--mesh`` (of ``%mesh start`` and
+  ``monarch-nb train``) resolved to an attached host mesh.
 
 May import: the core and ``runtime``. Never another feature.
 """

@@ -9,7 +9,7 @@ controller's supervision events; tests feed it synthetic dicts through :meth:`ad
 most ``max_hz`` times a second, inside ``hold_sync()``.
 
 Recognised inputs:
-    metric: ``{"step", "loss", "accuracy", "time_s", "epoch", "live_ranks", "grad_norm"}`` (a dict
+    metric: ``{"step", "loss", "batch_accuracy", "time_s", "quorum", "live_ranks", "grad_norm"}`` (a dict
         with "loss"; ``grad_norm`` is optional: the training run's largest local gradient norm).
     recovery record: ``monarch_nb.train``'s ``{"type": "recovery", "event": "failed" | "detected"
         | "resumed" | "rejoined", "kind", "rank", "step", "latency_s"}`` (latency from the fault's
@@ -91,14 +91,14 @@ function render({ model, el }) {
     const bar = document.createElement("progress"); bar.max = p.total || 1; bar.value = p.step || 0;
     head.append(bar, ` step ${p.step || 0}/${p.total || "?"} · ${p.status || ""}` +
       (p.loss !== undefined && p.loss !== null ? ` · loss ${Number(p.loss).toFixed(4)}` : "") +
-      (p.accuracy !== undefined && p.accuracy !== null ? ` · accuracy ${(100 * p.accuracy).toFixed(1)}%` : "") +
+      (p.accuracy !== undefined && p.accuracy !== null ? ` · batch accuracy ${(100 * p.accuracy).toFixed(1)}%` : "") +
       (p.grad_norm !== undefined && p.grad_norm !== null ? ` · grad norm ${Number(p.grad_norm).toPrecision(3)}` : "") +
       (p.live_ranks !== undefined && p.live_ranks !== null ? ` · live ranks ${p.live_ranks}` : ""));
     root.append(head);
     const pts = model.get("metrics") || [], markers = model.get("markers") || [];
     const maxStep = Math.max(p.total || 0, ...pts.map(q => q.step), 1);
     const charts = document.createElement("div"); charts.className = "mnb-charts";
-    charts.append(chart("loss", pts, "loss", markers, "#1565c0", maxStep), chart("accuracy", pts, "accuracy", markers, "#6a1b9a", maxStep));
+    charts.append(chart("loss", pts, "loss", markers, "#1565c0", maxStep), chart("batch accuracy", pts, "accuracy", markers, "#6a1b9a", maxStep));
     if (pts.some(q => q.grad_norm !== null && q.grad_norm !== undefined)) charts.append(chart("grad norm", pts, "grad_norm", markers, "#ef6c00", maxStep));
     root.append(charts);
     const figs = model.get("figures") || {};
@@ -176,7 +176,7 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
         point = {
             "step": int(metric.get("step", len(self._metrics))),
             "loss": _num(metric.get("loss")),
-            "accuracy": _num(metric.get("accuracy")),
+            "accuracy": _num(metric.get("batch_accuracy", metric.get("accuracy"))),  # the step's own batch
             "grad_norm": _num(metric.get("grad_norm")),
             "time_s": _num(metric.get("time_s")),
             "live_ranks": _live(metric.get("live_ranks")),
@@ -276,6 +276,8 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
             self.add_metric(metric)
 
         def on_item(item: Any) -> None:
+            if isinstance(item, dict) and item.get("type") in ("phase", "eval"):
+                return  # the run's phase changes and test evaluations are not drawn here
             if isinstance(item, dict) and "loss" in item:
                 self.add_metric(item)
             elif isinstance(item, dict):

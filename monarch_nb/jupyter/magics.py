@@ -31,7 +31,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from . import automode, interrupts, placement as placement_mod, session as session_mod, values
+from ..job import placement as placement_mod
+from . import automode, interrupts, session as session_mod, values
 from .cell_magic import run_cell_magic
 from .fallback import freeze_all
 from .parsers import (SUBCOMMANDS, HelpShown, build_cell_parser, build_line_parser, fault_kinds, parse_fault_spec,

@@ -296,11 +296,13 @@ class Controller:
         Raises:
             ValueError: no such mesh or rank.
             MeshStoppedError: its mesh was stopped.
+            AttachError: its host is lost (retry once the host is back: ``host_returned`` event).
             TimeoutError: it did not come back within ``timeout_s``.
             RuntimeError: it came back but an actor constructor failed, or it died meanwhile.
         """
         rec = self.proc_record(mesh, rank)
         self._mesh(rec.mesh)
+        self._hosts.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
         if not rec.restart_lock.acquire(blocking=False):  # a restart is under way: it is the one
             self.record_event("restart_skipped", rec, detail=f"already being restarted (restart {rec.restarts})", cause="restart")
             if not rec.restart_lock.acquire(timeout=timeout_s):
@@ -383,6 +385,19 @@ class Controller:
             self.channel.send(rec.identity, {"kind": Kind.INTERRUPT, "actor": actor})
 
     # -- for features: records, events, signals -----------------------------------------------------
+    def rendezvous_host(self, mesh: str) -> str:
+        """The address of this machine that every proc of ``mesh`` reaches (its ``MASTER_ADDR``):
+        127.0.0.1 on this machine alone, the controller's address on the cluster's network when
+        the mesh spans attached hosts.
+
+        Raises:
+            ValueError: no such proc mesh.
+        """
+        store = self._stores.get(mesh)
+        if store is None:
+            raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.meshes)}")
+        return store.host
+
     def proc_record(self, mesh: str, rank: int) -> ProcRecord:
         """The record of rank ``rank`` of proc mesh ``mesh``.
 

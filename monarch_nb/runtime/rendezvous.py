@@ -1,10 +1,11 @@
-"""The controller-side torch.distributed rendezvous stores, listening on 127.0.0.1 only.
+"""The controller-side torch.distributed rendezvous stores, listening on one address: 127.0.0.1,
+or on a cluster the controller's address that every attached host reaches.
 
-TCPStore binds every interface by itself; handed a socket already bound to loopback
-(``master_listen_fd``) it serves only this host. Stores live in the controller, never in a
+TCPStore binds every interface by itself; handed a socket already bound to one address
+(``master_listen_fd``) it serves only there. Stores live in the controller, never in a
 worker, so no rank's death takes one down.
 
-- :func:`loopback_store`: a store now (imports torch).
+- :func:`controller_store`: a store now (imports torch).
 - :class:`LazyStore`: a listening socket now, the store on first use. Every proc mesh gets one,
   named in its procs' ``MASTER_ADDR`` / ``MASTER_PORT``, so torchrun-style code
   (``dist.init_process_group("gloo")`` with the ``env://`` rendezvous) runs unchanged without the
@@ -20,7 +21,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["loopback_store", "LazyStore"]
+__all__ = ["controller_store", "LazyStore"]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ def _store_on(sock: socket.socket, world_size: int | None, timeout_s: float) -> 
     return store
 
 
-def loopback_store(world_size: int | None = None, timeout_s: float = 300.0) -> Any:
-    """A master ``torch.distributed.TCPStore`` on 127.0.0.1 and a free port (``store.port``)."""
-    return _store_on(_listen(), world_size, timeout_s)
+def controller_store(host: str = "127.0.0.1", world_size: int | None = None, timeout_s: float = 300.0) -> Any:
+    """A master ``torch.distributed.TCPStore`` on ``host`` (an address of this machine: 127.0.0.1,
+    or the one a proc mesh's hosts reach, :meth:`Controller.rendezvous_host`) and a free port
+    (``store.port``)."""
+    return _store_on(_listen(host), world_size, timeout_s)
 
 
 class LazyStore:

@@ -1,19 +1,33 @@
-"""``monarch-nb train``: fault-tolerant data-parallel training from the command line.
+"""``monarch-nb train`` and ``monarch-nb report``: fault-tolerant training from the command line.
 
     monarch-nb train --procs 4 --steps 300 --fault kill@120:rank=2 --fault hang@200:rank=1
+    monarch-nb train --procs 2 --hosts 10.0.0.2:26600,10.0.0.3:26600 --ca /shared/mnb-keys
+    monarch-nb train --procs 2 --job .monarch/job_state.json [--mesh trainers]
+    monarch-nb report report.json
 
-Trains on a local mesh with a progress bar, injects the faults, and prints the report; exits 0
-on success, 2 on bad input (before any worker starts), 1 if the run failed.
+``train`` trains on a local mesh (or ``--procs`` per host on attached workers or a saved job's
+hosts) with a progress bar, injects the faults, and prints the report;
+exits 0 on success, 2 on bad input (before any worker starts), 1 if the run failed, 130 when
+interrupted (Ctrl-C), after printing the partial report. ``report`` prints the text report of a
+run saved with ``--report-json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from ..argtypes import positive_float, positive_int
 
-__all__ = ["add_train_parser", "run_train"]
+__all__ = ["add_train_parser", "add_report_parser", "run_train", "run_report"]
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
@@ -21,9 +35,17 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="fault-tolerant data-parallel training on a local mesh, with injected faults and a report",
-        description="Train on real data over a local mesh of worker processes; survive injected faults.",
+        description="Train on real data over a local mesh of worker processes (or on the hosts of --hosts or "
+                    "--job); survive injected faults.",
+        epilog="Across hosts: start `monarch-nb worker --address tcp://HOST:PORT --curve-keys DIR` on each\n"
+               "host (or a job: monarch_nb.job.SlurmJob / SSHJob, whose state() writes .monarch/job_state.json),\n"
+               "then\n"
+               "  monarch-nb train --procs 2 --hosts 10.0.0.2:26600,10.0.0.3:26600 --ca DIR\n"
+               "  monarch-nb train --procs 2 --job .monarch/job_state.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--procs", type=positive_int, default=4, help="worker processes / data-parallel ranks (default 4)")
+    p.add_argument("--procs", type=positive_int, default=4,
+                   help="worker processes / data-parallel ranks (default 4); per host with --hosts or --job")
     p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--workload", choices=("digits", "charlm"), default="digits",
                    help="digits: MLP on sklearn's handwritten digits (default); charlm: byte-level transformer LM on --text")
@@ -37,30 +59,99 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, help="global batch: samples per step over all ranks")
     p.add_argument("--lr", type=positive_float, help="learning rate (default: the workload's)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default: gloo on CPU, nccl/RCCL on GPUs)")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between test evaluations (0: only at the end)")
+    p.add_argument("--eval-every", type=_non_negative_int, default=50,
+                   help="steps between test evaluations (0: only at the end)")
+    p.add_argument("--spares", type=_non_negative_int, default=1,
+                   help="warm spare procs (torch loaded) that take a failed rank's place (default 1; 0: none)")
     p.add_argument("--report-json", metavar="PATH", help="write the report (with the sample ledger) as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    where = p.add_argument_group("across hosts")
+    where.add_argument("--hosts", metavar="H:P[,H:P...]",
+                       help="train on these workers (`monarch-nb worker --address tcp://H:P`): ranks host by host")
+    where.add_argument("--ca", metavar="DIR", help="with --hosts: the cluster's keys (`monarch-nb keys DIR`) the workers use")
+    where.add_argument("--job", metavar="FILE", help="train on the hosts of a saved job (job.state() writes .monarch/job_state.json)")
+    where.add_argument("--mesh", metavar="NAME", help="with --job: which of its host meshes (default: its first)")
     p.set_defaults(func=run_train)
     return p
 
 
+def add_report_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``report`` subcommand (print a saved run's report)."""
+    p = sub.add_parser("report", help="print the report of a training run saved with `train --report-json`",
+                       description="Print the text report of a training run saved as JSON (monarch-nb train --report-json PATH).")
+    p.add_argument("path", metavar="FILE.json", help="the saved report")
+    p.set_defaults(func=run_report)
+    return p
+
+
 def run_train(args: argparse.Namespace) -> int:
-    from .loop import TrainingError, fit
+    from ..job import placement as placement_mod
 
     try:
-        report = fit(
+        placement = placement_mod.resolve(args.hosts, args.job, args.ca, args.mesh)
+    except ValueError as exc:
+        print(f"monarch-nb train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _train(args, placement)
+    finally:
+        if placement.attached:  # their worker loops wait for the next controller (a job keeps running)
+            from ..runtime.controller import Controller
+
+            Controller.get().detach_hosts(placement.attached)
+
+
+def _train(args: argparse.Namespace, placement) -> int:
+    from .progress import follow
+    from .run import start
+
+    try:
+        run = start(
             args.workload, procs=args.procs, steps=args.steps, faults=args.fault, seed=args.seed,
-            progress=not args.no_progress, lr=args.lr, batch_size=args.batch_size, text=args.text,
-            backend=args.backend, chaos_mtbf_s=args.chaos_mtbf, eval_every=args.eval_every,
-            report_json=args.report_json,
+            lr=args.lr, batch_size=args.batch_size, text=args.text, backend=args.backend,
+            chaos_mtbf_s=args.chaos_mtbf, eval_every=args.eval_every, spares=args.spares,
+            report_json=args.report_json, hosts=placement.host_mesh,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"monarch-nb train: error: {exc}", file=sys.stderr)
         return 2
-    except TrainingError as exc:
+    if placement.host_mesh is not None:
+        print(f"training on {placement.where}", file=sys.stderr)
+    interrupted = False
+    try:
+        follow(run, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
+        run.wait(10.0)
+    try:
+        report = run.report(timeout=0 if interrupted else None)
+    except TimeoutError:
+        print("monarch-nb train: interrupted; the run did not stop in time to report", file=sys.stderr)
+        return 130
+    except Exception as exc:  # TrainingError, or whatever ended the run: one line, no traceback
+        if interrupted:
+            print("monarch-nb train: interrupted before training began", file=sys.stderr)
+            return 130
         print(f"monarch-nb train: the run failed: {exc}", file=sys.stderr)
         return 1
     print(report)
     if args.report_json:
         print(f"report written to {args.report_json}")
+    if interrupted:
+        print("monarch-nb train: interrupted (Ctrl-C); the report above covers the steps committed so far",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .report import TrainReport
+
+    try:
+        report = TrainReport.from_json(args.path)
+    except (OSError, ValueError) as exc:
+        print(f"monarch-nb report: error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
     return 0

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-__all__ = ["FailureRecord", "TrainReport"]
+__all__ = ["FailureRecord", "TrainReport", "GOODPUT_MEANS", "build_report"]
+
+#: what the goodput figure means, said wherever it is shown
+GOODPUT_MEANS = "share of the training wall time spent in steps that were kept (not lost to failures, redone or waiting)"
 
 
 @dataclass
@@ -15,7 +21,7 @@ class FailureRecord:
 
     Latencies (seconds, from the fault's injection, or from its detection for a real crash):
     ``detection_latency_s`` until the controller knew; ``resume_latency_s`` until the survivors
-    committed their next step; ``rejoin_latency_s`` until the restarted rank was back in an epoch.
+    committed their next step; ``rejoin_latency_s`` until the restarted rank was back in a quorum.
     """
 
     kind: str
@@ -32,6 +38,8 @@ class FailureRecord:
     heal_bytes: int | None = None
     heal_chunks: int | None = None
     replicas_identical: bool | None = None
+    how: str = ""  # how the rank came back: "heal" from a peer, "snapshot"
+    pid: int | None = None  # the incarnation that failed (not reported)
 
     def _lat(self, t: float | None) -> float | None:
         return None if t is None else round(max(0.0, t - self.injected_at), 4)
@@ -43,27 +51,38 @@ class FailureRecord:
             "rejoin_latency_s": self._lat(self.rejoined_at), "restarted": self.restarted,
             "heal_ms": None if self.heal_ms is None else round(self.heal_ms, 2), "heal_bytes": self.heal_bytes,
             "heal_chunks": self.heal_chunks, "replicas_identical_after_rejoin": self.replicas_identical,
+            "rejoined_by": self.how or None,
         }
 
 
 @dataclass
 class TrainReport:
-    """What a run did. ``str(report)`` is a readable table; :meth:`to_json` writes it.
+    """What a run did. ``str(report)`` is a readable table; :meth:`to_json` writes it and
+    :meth:`from_json` reads it back (``monarch-nb report FILE.json`` prints it).
 
     Attributes (units in names; losses are mean per sample):
         final_loss: training loss of the last committed step.
         test_accuracy: accuracy on the held-out test set (None for language models).
         test_loss: loss on the test set.
-        steps: committed steps. procs: worker processes. workload: its name.
+        steps: committed steps. procs: worker processes (ranks). hosts: the hosts they ran on.
+        workload: its name.
         failures: one dict per failure (see :class:`FailureRecord`).
         steps_lost: steps whose update is missing from (or doubled in) the final parameters.
         steps_redone: step attempts that failed and were redone.
+        steps_redone_from_snapshot: committed steps undone by restores from a snapshot (every
+            replica lost) and trained again.
         samples_lost, samples_repeated: from the sample ledger's audit against the pure order.
-        goodput: productive time (committed step attempts) / wall time of the training loop.
-        wall_time_s: first step sent -> last step committed. setup_time_s: procs + first epoch.
+        goodput: :data:`GOODPUT_MEANS`.
+        wall_time_s: first step sent -> last step committed. setup_time_s: procs, trainers and
+            the first quorum.
         throughput_samples_per_s: committed samples / wall_time_s.
+        quorums: quorums formed (one at the start, one per failure and per rejoin).
         replicas_identical: all live replicas' parameters equal at the end (per-tensor 64-bit checksums).
         params_checksum: the replicas' parameter checksum (16 hex digits), "" when they differ.
+        spares: warm spare procs kept per host. window_steps_median: steps per window.
+        snapshots: ``{"count", "bytes", "pause_ms_median", "cpu_ms_median", "interval_steps",
+            "cost_pct_of_step_time"}`` of the in-memory snapshots.
+        restores: one ``{"step", "steps_redone", "restore_s"}`` per restore from a snapshot.
     """
 
     final_loss: float | None
@@ -77,19 +96,25 @@ class TrainReport:
     failures: list = field(default_factory=list)
     steps_lost: int = 0
     steps_redone: int = 0
+    steps_redone_from_snapshot: int = 0
     samples_lost: int = 0
     samples_repeated: int = 0
     goodput: float = 0.0
     wall_time_s: float = 0.0
     setup_time_s: float = 0.0
     throughput_samples_per_s: float = 0.0
-    epochs: int = 0
+    quorums: int = 0
     replicas_identical: bool | None = None
     params_checksum: str = ""
     step_time_ms_median: float = 0.0
     stopped_early: bool = False
     worker_peak_rss_bytes: list = field(default_factory=list)
+    spares: int = 0
+    window_steps_median: float = 0.0
+    snapshots: dict = field(default_factory=dict)
+    restores: list = field(default_factory=list)
     ledger: dict | None = None
+    hosts: int = 1
 
     def to_dict(self, ledger: bool = False) -> dict:
         d = asdict(self)
@@ -104,25 +129,68 @@ class TrainReport:
             json.dump(self.to_dict(ledger=ledger), f, indent=1)
         return path
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainReport":
+        """A report from :meth:`to_dict`'s form; unknown keys are ignored, missing ones defaulted.
+
+        Raises:
+            ValueError: a field without a default (e.g. ``steps``) is missing.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "quorums" not in values and "epochs" in data:  # reports written before quorums were called so
+            values["quorums"] = data["epochs"]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ValueError(f"not a training report: fields {missing} are missing")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str) -> "TrainReport":
+        """Read a report written by :meth:`to_json`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not JSON, or not a training report.
+        """
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a training report (a JSON object)")
+        return cls.from_dict(data)
+
     def __str__(self) -> str:
         def fmt(v, spec=".4f"):
             return "-" if v is None else format(v, spec)
 
+        snap = self.snapshots or {}
+        on_hosts = f" on {self.hosts} hosts" if self.hosts > 1 else ""
         lines = [
-            f"training report: {self.workload} on {self.procs} procs ({self.backend}), global batch {self.global_batch}",
+            f"training report: {self.workload} on {self.procs} procs{on_hosts} ({self.backend}), global batch {self.global_batch}",
             f"  steps committed     {self.steps}{'  (stopped early)' if self.stopped_early else ''}",
-            f"  final loss          {fmt(self.final_loss)}",
+            f"  final loss          {fmt(self.final_loss)}   (training loss of the last step)",
             f"  test accuracy       {fmt(self.test_accuracy)}",
             f"  test loss           {fmt(self.test_loss)}",
             f"  wall time           {self.wall_time_s:.2f} s (setup {self.setup_time_s:.2f} s)",
             f"  throughput          {self.throughput_samples_per_s:.0f} samples/s, median step {self.step_time_ms_median:.2f} ms",
-            f"  goodput             {self.goodput:.3f}",
+            f"  goodput             {self.goodput:.3f}   ({GOODPUT_MEANS})",
             f"  steps lost          {self.steps_lost}   (attempts redone: {self.steps_redone})",
             f"  samples lost        {self.samples_lost}",
             f"  samples repeated    {self.samples_repeated}",
-            f"  membership epochs   {self.epochs}",
+            f"  quorums             {self.quorums}",
             f"  replicas identical  {self.replicas_identical}",
         ]
+        if snap.get("count"):
+            lines.append(f"  snapshots           {snap['count']} in shared memory, every ~{snap.get('interval_steps', 0):.0f} "
+                         f"steps, cost {snap.get('cost_pct_of_step_time', 0):.2f}% of step time")
+        for r in self.restores:
+            lines.append(f"  every replica lost: restored from the snapshot of step {r['step']} in {r['restore_s']:.2f} s, "
+                         f"{r['steps_redone']} step(s) redone")
         if self.failures:
             lines.append(f"  failures ({len(self.failures)}):")
             lines.append("    kind       rank  step  cause           detect_s  resume_s  rejoin_s  heal_ms")
@@ -135,3 +203,77 @@ class TrainReport:
         else:
             lines.append("  failures            none")
         return "\n".join(lines)
+
+
+def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> TrainReport:
+    """The report of the run that coordinator ``c`` ran (its ledger audited against the pure order).
+
+    Args:
+        digests: the live replicas' parameter checksums. applied: their applied-update counts.
+        ev: the final evaluation (``test_accuracy``, ``test_loss``). mem: ``{rank: memory()}``.
+    """
+    o, run = c.o, c.run
+    audit = run.ledger.audit(run.order, c.next_commit, start=c.start_step)
+    wall = max(1e-9, c.t_last_commit - c.t_train0)
+    committed = c.next_commit - c.start_step
+    # an update missing from the parameters is lost; one applied twice too, but a stopped run's
+    # ranks may hold updates of a window whose replies the stop did not wait for
+    off = [c.next_commit - a if a < c.next_commit else (0 if run.stopping else a - c.next_commit)
+           for a in applied]
+    steps_lost = max(off, default=0)
+    ordered = sorted(c.step_ms)
+    snaps = c.snapshots
+    snapshot_info: dict = {"count": len(snaps)}
+    if snaps:
+        pause = statistics.median(s["pause_ms"] for s in snaps)
+        cpu = statistics.median(s["cpu_ms"] for s in snaps)
+        steps_between = [b["step"] - a["step"] for a, b in zip(snaps, snaps[1:]) if b["step"] > a["step"]]
+        interval = statistics.median(steps_between) if steps_between else float(max(1, c.next_commit))
+        step_med = ordered[len(ordered) // 2] if ordered else 0.0
+        snapshot_info.update(bytes=snaps[-1]["nbytes"], pause_ms_median=pause, cpu_ms_median=cpu,
+                             interval_steps=interval,
+                             cost_pct_of_step_time=round(100 * (pause + cpu) / max(1e-9, interval * step_med), 4)
+                             if step_med else 0.0)
+    last_loss = next((mm["loss"] for mm in reversed(run.metrics) if mm.get("loss") is not None), None)
+    report = TrainReport(
+        final_loss=last_loss,
+        test_accuracy=ev.get("test_accuracy"),
+        test_loss=ev.get("test_loss"),
+        steps=len(run.ledger),
+        procs=o.procs,
+        hosts=o.procs // o.procs_per_host,
+        workload=o.workload.name,
+        backend=o.backend or _default_backend(),
+        global_batch=o.global_batch,
+        failures=[r.to_dict() for r in c.m.failures],
+        steps_lost=int(steps_lost + audit["steps_missing"]),
+        steps_redone=c.attempts_failed,
+        steps_redone_from_snapshot=c.redone_from_snapshot,
+        samples_lost=audit["samples_lost"],
+        samples_repeated=audit["samples_repeated"],
+        goodput=round(min(1.0, c.productive_s / wall), 4) if committed else 0.0,
+        wall_time_s=round(wall, 3),
+        setup_time_s=round(c.setup_s, 3),
+        throughput_samples_per_s=round(committed * o.global_batch / wall, 1),
+        quorums=c.m.quorum,
+        replicas_identical=len(digests) == 1 if digests else None,
+        params_checksum=next(iter(digests)) if len(digests) == 1 else "",
+        step_time_ms_median=round(ordered[len(ordered) // 2], 3) if ordered else 0.0,
+        stopped_early=c.next_commit < o.steps,
+        worker_peak_rss_bytes=[mem[r]["peak_rss_bytes"] for r in sorted(mem)],
+        spares=c.spares,
+        window_steps_median=float(statistics.median(n for _, n, _ in c.history)) if c.history else 0.0,
+        snapshots=snapshot_info,
+        restores=list(c.restores),
+        ledger=run.ledger.to_dict(),
+    )
+    return report
+
+
+def _default_backend() -> str:
+    try:
+        from .. import device
+
+        return device.backend()
+    except Exception:
+        return "gloo"

@@ -36,3 +36,69 @@ def test_ledger_audit_counts_lost_and_repeated_samples():
     assert (audit["samples_lost"], audit["samples_repeated"]) == (1, 1)
 
 
+
+
+def test_ledger_of_shards_and_digests_audits_against_the_pure_order():
+    from monarch_nb.train.data import digest
+
+    order = SampleOrder(100, 12, seed=1)
+    ledger = SampleLedger(order)
+    for step in range(5):
+        ranks = [0, 1, 3] if step < 3 else [0, 3]  # rank 1 failed after step 2
+        digests = {r: digest(order.shard(step, ranks, r)) for r in ranks}
+        if step == 4:
+            digests[3] = None  # rank 3 died before reporting; the all-reduce proves its part
+        ledger.record_shards(step, ranks, digests)
+    audit = ledger.audit(order, 5)
+    assert (audit["samples_lost"], audit["samples_repeated"], audit["digest_mismatches"]) == (0, 0, 0)
+    assert sorted(ledger.consumed(3)) == sorted(order.batch(3).tolist())
+    assert list(ledger.by_rank(3)) == [0, 3] and len(ledger) == 5
+    # a rank that used other samples than the order says is caught by its digest
+    ledger.record_shards(2, [0, 1, 3], {0: 1234, 1: None, 3: None})
+    audit = ledger.audit(order, 5)
+    assert audit["digest_mismatches"] == 1 and audit["samples_lost"] == len(order.shard(2, [0, 1, 3], 0))
+    # a restore from a snapshot of step 3 undoes steps 3 and 4: they are missing until redone
+    assert ledger.forget_from(3) == 2 and ledger.steps() == [0, 1, 2]
+    assert ledger.audit(order, 5)["steps_missing"] == 2
+    assert set(ledger.to_dict()["entries"]) == {"0", "1", "2"}
+
+
+def test_shard_bounds_match_numpy_array_split():
+    from monarch_nb.train.data import shard_bounds
+
+    for n in (0, 1, 7, 64, 65):
+        for parts in (1, 2, 3, 4, 7):
+            pieces = np.array_split(np.arange(n), parts)
+            for i, piece in enumerate(pieces):
+                lo, hi = shard_bounds(n, parts, i)
+                assert np.array_equal(np.arange(n)[lo:hi], piece), (n, parts, i)
+
+
+def test_report_reads_back_what_it_wrote(tmp_path):
+    from monarch_nb.train.report import GOODPUT_MEANS, TrainReport
+
+    report = TrainReport(final_loss=0.5, test_accuracy=0.9, test_loss=0.4, steps=10, procs=2, workload="digits",
+                         backend="gloo", global_batch=64, goodput=0.97, quorums=3,
+                         restores=[{"step": 8, "steps_redone": 2, "restore_s": 0.3}])
+    path = report.to_json(str(tmp_path / "r.json"))
+    again = TrainReport.from_json(path)
+    assert again == report and str(again) == str(report)
+    assert GOODPUT_MEANS in str(report) and "2 step(s) redone" in str(report)
+    old = report.to_dict()
+    old["epochs"] = old.pop("quorums")  # a report written before quorums were called so
+    assert TrainReport.from_dict(old).quorums == 3
+    with pytest.raises(ValueError, match="not a training report"):
+        TrainReport.from_dict({"steps": 3})
+
+
+def test_backend_nccl_needs_a_gpu():
+    from monarch_nb import device
+    from monarch_nb.train.options import check_backend
+
+    check_backend("gloo")
+    check_backend(None)
+    with pytest.raises(ValueError, match="backend must be"):
+        check_backend("mpi")
+    if device.detect_gpus().count == 0:
+        with pytest.raises(ValueError, match="use backend 'gloo'"):
+            check_backend("nccl")

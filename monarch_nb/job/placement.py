@@ -1,4 +1,5 @@
-"""Where ``%mesh start`` puts its procs: this host, the workers named by ``--hosts``, or a saved job's hosts (``--job``).
+"""Where ``%mesh start`` and ``monarch-nb train`` put their procs: this host, the workers named
+by ``--hosts``, or a saved job's hosts (``--job``).
 
 - ``%mesh start 4``: four procs on this machine (``this_host()``).
 - ``%mesh start 2 --hosts tcp://h1:26600,h2:26600 --ca DIR``: attaches the worker loops at those
@@ -11,7 +12,7 @@
 
 Hosts attached by ``%mesh start`` are detached by ``%mesh stop`` (their worker loops then wait
 for the next controller; a job's allocation keeps running). Nothing here imports IPython: errors
-are :class:`PlacementError`, which the magic shows as a usage error.
+are :class:`PlacementError`, which the magic shows as a usage error and the CLI as its message.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _THIS_HOST = ("localhost", "127.0.0.1")
 
 
 class PlacementError(ValueError):
-    """``%mesh start`` cannot place its procs as asked (the message says how to fix it)."""
+    """The procs cannot be placed as asked (the message says how to fix it)."""
 
 
 @dataclass
@@ -67,7 +68,7 @@ def parse_workers(spec: str) -> list[str]:
 
 
 def resolve(hosts: str | None, job: str | None, ca: str | None, mesh: str | None) -> Placement:
-    """The hosts of ``%mesh start``'s ``--hosts``/``--ca`` or ``--job``/``--mesh`` (attached).
+    """The hosts of ``--hosts``/``--ca`` or ``--job``/``--mesh`` (attached); this machine when neither.
 
     Raises:
         PlacementError: bad or conflicting options, missing keys, a job that is not running, a

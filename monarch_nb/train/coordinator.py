@@ -1,0 +1,447 @@
+"""The controller's side of the step loop: windows of steps sent ahead, committed from their records.
+
+The controller is off the steps' critical path. It sends every member of the quorum the same
+*window* (``Trainer.run_window(quorum, start, count)``), and keeps ``pipeline`` windows in flight,
+so a rank starts its next window the moment it finishes one, without waiting for the controller.
+Each reply carries one compact record per step (loss, batch accuracy, a digest of the sample ids
+the rank used, step time). A step is *committed* when every member reported it: it goes into the
+:class:`~monarch_nb.train.data.SampleLedger` and out to subscribers as a metric. Windows last
+about ``window_s`` seconds (``window_steps`` fixes their length; ``window_steps=1, pipeline=1`` is
+the per-step loop: one round trip per step). They end early where the controller must act at a
+precise step: a planned fault, an evaluation, a disk checkpoint, the last step.
+
+The controller steps in only at a boundary (no window in flight), for: a failure (a member died,
+hung, raised; the survivors' all-reduce failed), a non-finite gradient, a restarted rank ready to
+rejoin, a planned fault, every replica lost. After a failure (see :mod:`.trainer` for why the
+survivors are at most one step apart) the survivors agree on the last committed step
+(:meth:`~.recovery.Membership.catch_up`), form a new quorum and go on from the next step; a
+restarted rank is healed from a live peer and joins at the next boundary; when no replica is
+left, restarted ranks load the newest shared-memory snapshot and the steps after it are redone.
+Evaluations and disk checkpoints are queued on one member right behind the window that ends at
+their step (messages from one sender are FIFO), so they cost no round trip either.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import statistics
+import threading
+import time
+from typing import Any
+
+from ..faults.spec import FaultSpec
+from .boundaries import Boundaries
+from .launch import Launch
+from .recovery import Membership, RankState, Stopped, TrainingError, own_failure, wait_all
+from .report import build_report
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger(__name__)
+
+_MAX_WINDOW = 4096
+
+
+class _Window:
+    """Steps ``start .. start+count-1``, sent to ``members`` of ``quorum``; replies by rank."""
+
+    __slots__ = ("id", "quorum", "members", "start", "count", "replies", "oldest_since")
+
+    def __init__(self, wid: int, quorum: int, members: list[int], start: int, count: int):
+        self.id, self.quorum, self.members, self.start, self.count = wid, quorum, tuple(members), start, count
+        self.replies: dict[int, Any] = {}
+        self.oldest_since = time.monotonic()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.replies) == len(self.members)
+
+
+class Coordinator(Launch, Boundaries):
+    """Runs one :class:`~monarch_nb.train.run.TrainingRun` on its training thread: starts it
+    (:class:`~.launch.Launch`), sends windows and commits steps (here), acts at boundaries
+    (:class:`~.boundaries.Boundaries`), finishes with the report."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        self.o = run.options
+        self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.m = Membership(run, self.events)
+        self.procs: Any = None
+        self.mesh_name = ""
+        self.spares = 0
+        self.windows: list[_Window] = []
+        self.history: list[tuple[int, int, tuple]] = []  # (start, count, members) of every window sent
+        self._wids = iter(range(1 << 62))
+        self.next_commit = 0
+        self.next_dispatch = 0
+        self.start_step = 0
+        self.recover = False
+        self.nonfinite_at: int | None = None
+        self.rank_next: dict[int, int] = {}
+        self.planned: dict[int, list[FaultSpec]] = {}
+        self.split_steps: set[int] = set()
+        self.step_s: float | None = None
+        self.step_ms: list[float] = []
+        self.productive_s = 0.0
+        self.attempts_failed = 0
+        self.pending_evals: dict[int, dict] = {}
+        self.checkpoint_lost = False
+        self.snapshot_path = ""
+        self.snapshots: list[dict] = []
+        self.restores: list[dict] = []
+        self.redone_from_snapshot = 0
+        self.chaos: Any = None
+        self.t_train0 = time.monotonic()
+        self.t_last_commit = self.t_train0
+        self.setup_s = 0.0
+
+    # -- the run ------------------------------------------------------------------------------------
+    def run_all(self) -> None:
+        """Set up, train, finish (writes ``run._report``). Raises what ends the run."""
+        t0 = time.monotonic()
+        try:
+            self._spawn()
+            self._construct()
+            self._resume()
+            self.m.form_quorum()
+            self.setup_s = time.monotonic() - t0
+            self._train()
+        except Stopped:
+            pass
+        self._finish()
+
+    def wake(self) -> None:
+        self.events.put(("wake",))
+
+    # -- training -------------------------------------------------------------------------------------
+    def _train(self) -> None:
+        o = self.o
+        for fault in o.faults:
+            self.planned.setdefault(fault.step, []).append(fault)
+        self.run.phase("training")
+        self.t_train0 = self.t_last_commit = time.monotonic()
+        self.run.t_train0 = self.t_train0
+        if o.chaos_mtbf_s:
+            from ..faults.chaos import ChaosSchedule
+
+            self.chaos = ChaosSchedule(o.chaos_mtbf_s, kinds=o.chaos_kinds, seed=o.seed).start(self.procs)
+        rejoin_deadline = None
+        while not self.run.stopping:
+            if self.next_commit >= o.steps and not self.windows and not self._needs_recovery():
+                # every step is committed; let restarting ranks rejoin (bounded), so that every
+                # replica is checked and every latency measured
+                if rejoin_deadline is None:
+                    rejoin_deadline = time.monotonic() + o.restart_timeout_s
+                    self.run.phase("finishing")
+                    if self.chaos is not None:
+                        self.chaos.stop()
+                if not (self.m.restarting or self.m.ready) or time.monotonic() > rejoin_deadline:
+                    break
+                if self._needs_boundary():
+                    self._boundary()
+                else:
+                    self._wait_event(0.05)
+                continue
+            if self._needs_boundary():
+                if any(not w.complete for w in self.windows):
+                    self._wait_event()
+                else:
+                    self._boundary()
+                continue
+            self._dispatch()
+            self._wait_event()
+
+    def _needs_recovery(self) -> bool:
+        return self.recover or self.nonfinite_at is not None or not self.m.live or self.m.dirty
+
+    def _needs_boundary(self) -> bool:
+        m = self.m
+        return (self.recover or self.nonfinite_at is not None or m.dirty or bool(m.ready) or not m.live
+                or self.next_dispatch in self.planned or self.checkpoint_lost)
+
+    def _in_flight(self) -> int:
+        return sum(1 for w in self.windows if not w.complete)
+
+    def _window_size(self) -> int:
+        o = self.o
+        if o.window_steps:
+            return o.window_steps
+        if self.step_s is None:
+            return 1
+        return max(1, min(_MAX_WINDOW, int(o.window_s / max(self.step_s, 1e-6))))
+
+    def _window_end(self, start: int) -> int:
+        o = self.o
+        end = min(o.steps, start + self._window_size())
+        later = [f for f in self.planned if f > start]
+        if later:
+            end = min(end, min(later))
+        for every in (o.eval_every, o.checkpoint_every):
+            if every:
+                end = min(end, (start // every + 1) * every)
+        return end
+
+    def _dispatch(self) -> None:
+        o, m = self.o, self.m
+        while (self._in_flight() < o.pipeline and self.next_dispatch < o.steps and not self._needs_boundary()
+               and not self.run.stopping):
+            start = self.next_dispatch
+            end = self._window_end(start)
+            win = _Window(next(self._wids), m.quorum, m.members, start, end - start)
+            split = sorted(s for s in self.split_steps if start <= s < end) or None
+            writer = m.members[0]
+            snapshot = ({"path": self.snapshot_path, "every": o.snapshot_every or 0, "budget": o.snapshot_budget}
+                        if self.snapshot_path else None)
+            self.windows.append(win)
+            self.history.append((start, end - start, win.members))
+            for rank in win.members:
+                future = m.trainers[rank].run_window.call_one(m.quorum, start, end - start, split,
+                                                              snapshot if rank == writer else None)
+                future.add_done_callback(lambda f, w=win, r=rank: self.events.put(("reply", w, r, f)))
+            self.next_dispatch = end
+            last = end - 1
+            if o.eval_every and end % o.eval_every == 0 and end < o.steps:
+                self.run.phase("evaluating")
+                future = m.trainers[writer].evaluate.call_one()
+                future.add_done_callback(lambda f, s=last, r=writer: self.events.put(("eval", s, r, f)))
+            if o.checkpoint_every and end % o.checkpoint_every == 0:
+                self.run.phase("checkpointing")
+                self._send_checkpoint(writer, end)
+            if self.run.phase_name != "training":
+                self.run.phase("training")
+
+    def _send_checkpoint(self, rank: int, next_step: int) -> None:
+        path = os.path.abspath(os.path.join(self.o.checkpoint_dir, f"step{next_step:08d}.pt"))
+        os.makedirs(self.o.checkpoint_dir, exist_ok=True)
+        future = self.m.trainers[rank].save_checkpoint.call_one(path, next_step)
+        future.add_done_callback(lambda f, s=next_step, r=rank: self.events.put(("checkpoint", s, r, f)))
+
+    # -- events ----------------------------------------------------------------------------------------
+    def _wait_event(self, timeout_s: float = 1.0) -> None:
+        """Handle the next event (and every one already queued); check window deadlines."""
+        deadline = self._window_deadline()
+        wait = max(0.0, min(timeout_s, deadline - time.monotonic())) if deadline is not None else timeout_s
+        try:
+            item = self.events.get(timeout=wait)
+        except queue.Empty:
+            self._check_deadlines()
+            return
+        self._handle(item)
+        while True:
+            try:
+                item = self.events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(item)
+        self._check_deadlines()
+
+    def _window_deadline(self) -> float | None:
+        pending = [w for w in self.windows if not w.complete]
+        if not pending:
+            return None
+        w = pending[0]
+        per_step = max(self.step_s or 0.05, 0.001)
+        return w.oldest_since + 10 * w.count * per_step + self.o.collective_timeout_s + 5.0
+
+    def _check_deadlines(self) -> None:
+        deadline = self._window_deadline()
+        if deadline is None or time.monotonic() < deadline:
+            return
+        w = next(w for w in self.windows if not w.complete)
+        for rank in w.members:
+            if rank not in w.replies:
+                w.replies[rank] = TimeoutError(f"rank {rank}: window of steps {w.start}-{w.start + w.count - 1} "
+                                               "did not end in time")
+                if self.m.state.get(rank) == RankState.LIVE:
+                    self.m.fail_rank(rank, w.replies[rank])
+        self.recover = True
+        self._window_done(w)
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "reply":
+            self._on_reply(*item[1:])
+        elif kind == "failed":
+            self._on_failed(*item[1:])
+        elif kind == "ready":
+            self.m.on_ready(item[1])
+        elif kind == "restart_failed":
+            self.m.on_restart_failed(item[1])
+            log.warning("rank %d could not be restarted; training goes on without it", item[1])
+        elif kind == "eval":
+            self._on_eval(*item[1:])
+        elif kind == "checkpoint":
+            self._on_checkpoint(*item[1:])
+
+    def _on_failed(self, rank: int, exc: BaseException, pid: int | None = None) -> None:
+        if pid and pid != self.m.current_pid(rank):
+            return  # a stale report about an incarnation already replaced
+        if self.m.state.get(rank) in (RankState.LIVE, RankState.READY):
+            if rank in self.m.members:
+                self.recover = True
+            self.m.fail_rank(rank, exc)
+
+    def _on_reply(self, win: _Window, rank: int, future: Any) -> None:
+        if rank in win.replies:
+            return  # already given up on (deadline)
+        exc = future.exception(0)
+        if exc is None:
+            rep = win.replies[rank] = future.get(0)
+            self.rank_next[rank] = rep["next_step"]
+            if rep["snapshots"]:
+                self.snapshots.extend(rep["snapshots"])
+            status = rep["status"]
+            if status == "nonfinite" and self.nonfinite_at is None:
+                self.nonfinite_at = rep["failed_step"]
+            elif status != "ok":
+                self.recover = True
+                if status == "collective_failed":
+                    self.m.broken = True
+            if rep["local_nonfinite"]:
+                self._poisoned(rank)
+        else:
+            win.replies[rank] = exc
+            self.recover = True
+            if own_failure(exc) and self.m.state.get(rank) == RankState.LIVE and win.quorum == self.m.quorum:
+                self.m.fail_rank(rank, exc)
+        if win.complete:
+            self._window_done(win)
+
+    def _poisoned(self, rank: int) -> None:
+        now = time.monotonic()
+        with self.run.lock:
+            for rec in self.m.open_for(rank):
+                rec.disrupted = True
+                self.m.detect(rec, now, "nonfinite gradient")
+
+    def _window_done(self, win: _Window) -> None:
+        """Every member answered ``win``: commit the steps all of them applied, in order."""
+        later = [w for w in self.windows if w is not win and not w.complete and w.id > win.id]
+        if later:
+            later[0].oldest_since = max(later[0].oldest_since, time.monotonic())
+        reps = [r for r in win.replies.values() if isinstance(r, dict)]
+        all_ok = len(reps) == len(win.members) and all(r["status"] == "ok" for r in reps)
+        if reps and win.start == self.next_commit:
+            if all_ok:
+                self._learn_step_time(reps[0]["step_ms"])
+            self._commit_upto(win.start + min(len(r["loss"]) for r in reps))
+        if self.next_commit >= win.start + win.count and win in self.windows:
+            self.windows.remove(win)
+        if not all_ok and self.nonfinite_at is None:
+            self.recover = True
+
+    def _learn_step_time(self, step_ms: list) -> None:
+        if not step_ms:
+            return
+        s = statistics.median(step_ms) / 1e3
+        self.step_s = s if self.step_s is None else 0.7 * self.step_s + 0.3 * s
+
+    # -- commits ---------------------------------------------------------------------------------------
+    def _records_for(self, step: int) -> tuple[tuple, dict, dict | None, int, float | None]:
+        """``(members, {rank: digest or None}, a reply holding the step's record, its index, the
+        largest local gradient norm reported)`` of ``step``."""
+        for win in reversed(self.windows):
+            if win.start <= step < win.start + win.count:
+                digests: dict = {}
+                source = None
+                norm = None
+                i = step - win.start
+                for rank in win.members:
+                    rep = win.replies.get(rank)
+                    if isinstance(rep, dict) and i < len(rep["digest"]):
+                        digests[rank] = rep["digest"][i]
+                        source = source or rep
+                        norm = rep["grad_norm"][i] if norm is None else max(norm, rep["grad_norm"][i])
+                    else:
+                        digests[rank] = None
+                return win.members, digests, source, i, norm
+        for start, count, members in reversed(self.history):
+            if start <= step < start + count:
+                return members, {r: None for r in members}, None, 0, None
+        raise TrainingError(f"step {step} was committed by no known quorum")
+
+    def _commit_upto(self, upto: int) -> None:
+        """Commit steps ``next_commit .. upto-1`` (every one applied by every live member)."""
+        if upto <= self.next_commit:
+            return
+        now = time.monotonic()
+        run = self.run
+        metrics = []
+        while self.next_commit < upto:
+            step = self.next_commit
+            members, digests, rep, i, norm = self._records_for(step)
+            run.ledger.record_shards(step, members, digests)
+            metric = {"type": "step", "step": step, "loss": None, "batch_accuracy": None,
+                      "time_s": round(now - self.t_train0, 4), "quorum": self.m.quorum, "live_ranks": list(members),
+                      "step_ms": None, "grad_norm": None}
+            if rep is not None:
+                ms = rep["step_ms"][i]
+                metric.update(loss=rep["loss"][i], batch_accuracy=rep["accuracy"][i], step_ms=round(ms, 3),
+                              grad_norm=norm)
+                self.step_ms.append(ms)
+                self.productive_s += ms / 1e3
+            ev = self.pending_evals.pop(step, None)
+            if ev is not None:
+                metric.update(test_accuracy=ev["test_accuracy"], test_loss=ev["test_loss"])
+            metrics.append(metric)
+            self.next_commit += 1
+        self.t_last_commit = now
+        run.step = self.next_commit
+        if self.next_dispatch < self.next_commit:
+            self.next_dispatch = self.next_commit
+        self.m.mark_resumed(now)
+        run.add_metrics(metrics)
+
+    def _on_eval(self, step: int, rank: int, future: Any) -> None:
+        exc = future.exception(0)
+        if exc is not None:
+            if own_failure(exc) and self.m.state.get(rank) == RankState.LIVE:
+                self._on_failed(rank, exc)
+            return
+        ev = future.get(0)
+        if ev["next_step"] != step + 1:
+            return  # the window before it stopped early: this evaluation is of another step
+        if step < self.next_commit:
+            self.run.add_eval(step, ev)
+        else:
+            self.pending_evals[step] = ev
+
+    def _on_checkpoint(self, next_step: int, rank: int, future: Any) -> None:
+        exc = future.exception(0)
+        if exc is not None:
+            self.checkpoint_lost = True
+            if own_failure(exc) and self.m.state.get(rank) == RankState.LIVE:
+                self._on_failed(rank, exc)
+            return
+        if future.get(0)["path"] is None:
+            self.checkpoint_lost = True
+
+    # -- the end ---------------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        o, m, run = self.o, self.m, self.run
+        run.phase("finishing" if not run.stopping else "stopping")
+        if self.chaos is not None:
+            self.chaos.stop()
+        if not m.trainers:
+            run.set_report(None)
+            return
+        deadline = time.monotonic() + 2.0 + o.pipeline * o.window_s
+        while any(not w.complete for w in self.windows) and time.monotonic() < deadline:
+            self._wait_event(0.05)
+        timeout = 2.0 if run.stopping else o.collective_timeout_s
+        stop = threading.Event()  # the final reads run even when the run was asked to stop
+        values, _ = wait_all({r: m.trainers[r].checksum.call_one() for r in m.live}, timeout, stop)
+        digests = {v["params_checksum"] for v in values.values()}
+        applied = {v["applied_steps"] for v in values.values()}
+        ev = {"test_accuracy": None, "test_loss": None}
+        mem: dict = {}
+        if not run.stopping and m.live:
+            evs, _ = wait_all({r: m.trainers[r].evaluate.call_one() for r in m.live[:1]}, timeout, stop)
+            ev = next(iter(evs.values()), ev)
+            mem, _ = wait_all({r: m.trainers[r].memory.call_one() for r in m.live}, timeout, stop)
+            if o.keep_parameters:
+                run.parameters, _ = wait_all({r: m.trainers[r].parameters.call_one() for r in m.live}, timeout, stop)
+        self.run.set_report(build_report(self, digests, applied, ev, mem))

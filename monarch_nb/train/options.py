@@ -1,0 +1,187 @@
+"""A training run's options, checked before any worker starts (:func:`make_options`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..faults.spec import FaultSpec, check_faults, parse_fault
+from .workloads import Workload, get_workload
+
+__all__ = ["TrainOptions", "make_options", "CHAOS_KINDS"]
+
+#: fault kinds a chaos schedule draws from by default
+CHAOS_KINDS = ("kill", "hang", "exit", "segfault", "raise", "nan")
+
+
+@dataclass
+class TrainOptions:
+    """Everything a run needs, validated (see :func:`~monarch_nb.train.fit` for the meaning).
+
+    Times are seconds; ``window_steps`` None means windows sized to last about ``window_s``;
+    ``snapshot_every`` None means snapshots as often as ``snapshot_budget`` of the step time
+    allows, 0 means none. ``procs`` is the number of ranks (``procs_per_host`` on each host of
+    ``host_mesh``; ``host_mesh`` None: this machine).
+    """
+
+    workload: Workload
+    procs: int
+    procs_per_host: int
+    host_mesh: Any
+    steps: int
+    faults: list
+    seed: int
+    lr: float
+    global_batch: int
+    backend: str | None
+    chaos_mtbf_s: float | None
+    chaos_kinds: tuple
+    eval_every: int
+    collective_timeout_s: float
+    restart_timeout_s: float
+    chunk_bytes: int
+    checkpoint_dir: str | None
+    checkpoint_every: int
+    resume: bool
+    report_json: str | None
+    keep_parameters: bool
+    spares: int
+    window_steps: int | None
+    window_s: float
+    pipeline: int
+    snapshot_every: int | None
+    snapshot_budget: float
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _host_count(hosts: Any) -> int:
+    """How many hosts ``hosts`` (None: this machine, or a HostMesh) has.
+
+    Raises:
+        TypeError: ``hosts`` is something else (the message says where a HostMesh comes from).
+    """
+    if hosts is None:
+        return 1
+    from ..actor.mesh import HostMesh
+
+    if not isinstance(hosts, HostMesh):
+        raise TypeError(
+            f"hosts must be a HostMesh, got {type(hosts).__name__}: attach the workers with "
+            "monarch_nb.attach_to_workers(['tcp://HOST:PORT', ...], ca=KEYS) or take a job's "
+            "(job.state().trainers); leave hosts out to train on this machine")
+    if len(hosts) == 0:
+        raise ValueError("hosts is an empty HostMesh: attach at least one worker")
+    return len(hosts)
+
+
+def check_backend(backend: str | None) -> None:
+    """Refuse a collective backend the host cannot run, naming the fix.
+
+    Raises:
+        ValueError: not "gloo", "nccl" or None; or "nccl" on a host with no GPU.
+    """
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' (RCCL on ROCm) or None for automatic, got {backend!r}")
+    if backend == "nccl":
+        from .. import device
+
+        gpus = device.detect_gpus()
+        if not gpus.count:
+            raise ValueError(
+                "backend 'nccl' needs an NVIDIA (CUDA) or AMD (ROCm) GPU and this host has none visible; "
+                "use backend 'gloo' (--backend gloo), or leave the backend out to get gloo on CPU and nccl on GPUs"
+            )
+
+
+def make_options(
+    workload: "str | Workload" = "digits",
+    procs: int = 4,
+    steps: int = 300,
+    faults: "list[str | FaultSpec | dict] | None" = None,
+    seed: int = 0,
+    *,
+    lr: float | None = None,
+    batch_size: int | None = None,
+    text: str | None = None,
+    backend: str | None = None,
+    chaos_mtbf_s: float | None = None,
+    chaos_kinds: "tuple[str, ...]" = CHAOS_KINDS,
+    eval_every: int = 50,
+    collective_timeout_s: float | None = None,
+    restart_timeout_s: float = 60.0,
+    chunk_bytes: int = 4 << 20,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    report_json: str | None = None,
+    keep_parameters: bool = False,
+    spares: int = 1,
+    window_steps: int | None = None,
+    window_s: float = 0.1,
+    pipeline: int = 2,
+    snapshot_every: int | None = None,
+    snapshot_budget: float = 0.005,
+    hosts: Any = None,
+) -> TrainOptions:
+    """Check every option and build :class:`TrainOptions`; nothing is started.
+
+    Raises:
+        ValueError: a bad value (the message names the option and the fix).
+        TypeError: ``hosts`` is not a HostMesh.
+        FileNotFoundError: the ``text`` file does not exist.
+    """
+    from ..config import config
+
+    _positive_int("procs", procs)
+    per_host = procs
+    procs = per_host * _host_count(hosts)
+    _positive_int("steps", steps)
+    check_backend(backend)
+    wl = get_workload(workload, text=text, seed=seed)
+    if procs > wl.num_train:
+        raise ValueError(f"{procs} procs but the {wl.name} training set has only {wl.num_train} samples; use fewer procs")
+    global_batch = batch_size or wl.default_batch
+    if global_batch < 1:
+        raise ValueError(f"batch_size must be positive, got {global_batch}")
+    if global_batch > wl.num_train:
+        raise ValueError(f"batch_size {global_batch} is larger than the {wl.name} training set ({wl.num_train} samples)")
+    specs = [parse_fault(f) for f in (faults or [])]
+    check_faults(specs, procs, steps)
+    if chaos_mtbf_s is not None:
+        _positive_number("chaos_mtbf_s", chaos_mtbf_s)
+    _positive_int("eval_every", eval_every, 0)
+    _positive_int("checkpoint_every", checkpoint_every, 0)
+    _positive_int("spares", spares, 0)
+    _positive_int("pipeline", pipeline)
+    if window_steps is not None:
+        _positive_int("window_steps", window_steps)
+    _positive_number("window_s", window_s)
+    if snapshot_every is not None:
+        _positive_int("snapshot_every", snapshot_every, 0)
+    _positive_number("snapshot_budget", snapshot_budget)
+    _positive_number("restart_timeout_s", restart_timeout_s)
+    if checkpoint_every and not checkpoint_dir:
+        raise ValueError("checkpoint_every needs checkpoint_dir (the folder to write the checkpoints to)")
+    if collective_timeout_s is None:
+        collective_timeout_s = max(10.0, 4 * config.hang_timeout_s)
+    _positive_number("collective_timeout_s", collective_timeout_s)
+    return TrainOptions(
+        workload=wl, procs=procs, steps=steps, faults=specs, seed=seed, lr=lr or wl.default_lr,
+        procs_per_host=per_host, host_mesh=hosts, global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s, chaos_kinds=tuple(chaos_kinds),
+        eval_every=eval_every, collective_timeout_s=collective_timeout_s, restart_timeout_s=restart_timeout_s,
+        chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        report_json=report_json, keep_parameters=keep_parameters, spares=spares, window_steps=window_steps,
+        window_s=window_s, pipeline=pipeline, snapshot_every=snapshot_every, snapshot_budget=snapshot_budget,
+    )

@@ -1,0 +1,509 @@
+"""Failures, restarts, quorums and heals of a training run: who is live, and how ranks come back.
+
+:class:`Membership` runs on the run's training thread (the coordinator's), except for three
+entry points called by other threads, which only queue or record: :meth:`Membership.on_event`
+(the controller's event log: opens and times failure records), :meth:`Membership.supervise`
+(the mesh owner's ``__supervise__``) and the restart threads. Every other decision is taken on
+the training thread, so a rank's state changes in one place:
+
+    live ──fail──> restarting ──restart done──> ready ──heal──> live
+                       ▲                           │
+                       └───────────fail────────────┘
+
+One restart per failure: a failure reported for a rank that is already restarting (the same
+incarnation seen twice: its exit and the error of a call in flight, or a stale report of a
+replaced incarnation) is ignored. A restart is tried three times, each within
+``restart_timeout_s``; then the rank stays out and the run goes on without it. When the run
+stops, restart threads end quietly (no traceback after the run's last word).
+
+A *quorum* is one process group of the live ranks (torchft's term; "epoch" means a pass over the
+data only). Forming one is a barrier in the controller's rendezvous store that the controller
+aborts if a member fails meanwhile; it is retried without the failed ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import ActorError, MeshStoppedError, SupervisionError
+from ..supervision.records import ProcState
+from .report import FailureRecord
+
+__all__ = ["Membership", "TrainingError", "Stopped", "RankState", "wait_all"]
+
+log = logging.getLogger(__name__)
+
+_PEER_ERRORS = ("CollectiveError", "QuorumAborted")
+_RESTART_ATTEMPTS = 3
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (every rank failed and nothing can restore it, or no quorum forms)."""
+
+
+class Stopped(Exception):
+    """The run was asked to stop while it waited (internal)."""
+
+
+class RankState:
+    LIVE = "live"
+    RESTARTING = "restarting"
+    READY = "ready"  # restarted, waiting to be healed and join a quorum
+    OUT = "out"  # its restarts failed; the run goes on without it
+
+
+def own_failure(exc: BaseException) -> bool:
+    """True if ``exc`` means the rank itself failed (not a peer's failure seen from it)."""
+    if isinstance(exc, ActorError):
+        return exc.exception_type not in _PEER_ERRORS
+    return True  # SupervisionError, TimeoutError, anything else
+
+
+def kind_of(exc: BaseException | None) -> str:
+    if isinstance(exc, SupervisionError):
+        return "crash"
+    if isinstance(exc, ActorError):
+        return "error"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "failure"
+
+
+def cause_of(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    if isinstance(exc, SupervisionError):
+        return getattr(exc, "cause", "") or "supervision"
+    if isinstance(exc, ActorError):
+        return f"raised {exc.exception_type}"
+    return type(exc).__name__
+
+
+def wait_all(futures: dict, timeout_s: float, stop: threading.Event,
+             on_error: Callable[[int, BaseException], None] | None = None) -> tuple[dict, dict]:
+    """Wait for every future of ``{rank: future}``; ``on_error(rank, exc)`` runs as soon as one
+    fails. Returns ``(values, errors)`` by rank; a future still pending at the deadline is a
+    TimeoutError.
+
+    Raises:
+        Stopped: ``stop`` was set meanwhile.
+    """
+    done: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+    for rank, fut in futures.items():
+        fut.add_done_callback(lambda _f, r=rank: done.put(r))
+    values: dict = {}
+    errors: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(values) + len(errors) < len(futures):
+        if stop.is_set():
+            raise Stopped()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for rank in futures:
+                if rank not in values and rank not in errors:
+                    errors[rank] = TimeoutError(f"rank {rank}: no reply within {timeout_s:.1f} s")
+                    if on_error:
+                        on_error(rank, errors[rank])
+            break
+        try:
+            rank = done.get(timeout=min(left, 0.1))
+        except queue.Empty:
+            continue
+        exc = futures[rank].exception(0)
+        if exc is None:
+            values[rank] = futures[rank].get(0)
+        else:
+            errors[rank] = exc
+            if on_error:
+                on_error(rank, exc)
+    return values, errors
+
+
+class Membership:
+    """The ranks of one run: their states, failure records, restarts, quorums and heals.
+
+    Args:
+        run: the :class:`~monarch_nb.train.run.TrainingRun` (its lock, stop flag, recovery records).
+        events: the coordinator's event queue: restart threads put ``("ready", rank)`` and
+            ``("restart_failed", rank, exc)``; :meth:`supervise` puts ``("failed", rank, exc, pid)``.
+    """
+
+    def __init__(self, run: Any, events: "queue.SimpleQueue"):
+        self.run = run
+        self.options = run.options
+        self.events = events
+        self.procs: Any = None
+        self.trainers: dict[int, Any] = {}
+        self.state: dict[int, str] = {}
+        self.quorum = 0
+        self.members: list[int] = []
+        self.broken = True  # no quorum yet
+        self.failures: list[FailureRecord] = []
+        self._open: dict[int, list[FailureRecord]] = {}
+        self._threads: list[threading.Thread] = []
+        self.store: Any = None
+
+    # -- views ------------------------------------------------------------------------------------
+    @property
+    def live(self) -> list[int]:
+        return sorted(r for r, s in self.state.items() if s == RankState.LIVE)
+
+    @property
+    def ready(self) -> list[int]:
+        return sorted(r for r, s in self.state.items() if s == RankState.READY)
+
+    @property
+    def restarting(self) -> list[int]:
+        return sorted(r for r, s in self.state.items() if s == RankState.RESTARTING)
+
+    @property
+    def dirty(self) -> bool:
+        """The live ranks are not exactly the members of an intact quorum."""
+        return self.broken or self.live != self.members
+
+    # -- failure records (any thread, under the run's lock) ----------------------------------------
+    def open_record(self, kind: str, rank: int, at: float, cause: str = "", pid: int | None = None) -> FailureRecord:
+        rec = FailureRecord(kind, rank, self.run.step, at, cause=cause, pid=pid)
+        with self.run.lock:
+            self.failures.append(rec)
+            self._open.setdefault(rank, []).append(rec)
+        self.run.recovery("failed", rec, at)
+        return rec
+
+    def open_for(self, rank: int) -> list[FailureRecord]:
+        """Records of ``rank`` not yet closed (not resumed, or restarted and not rejoined)."""
+        return [r for r in self._open.get(rank, []) if r.resumed_at is None or (r.restarted and r.rejoined_at is None)]
+
+    def detect(self, rec: FailureRecord, at: float, cause: str) -> None:
+        if rec.detected_at is None:
+            rec.detected_at = at
+            rec.cause = cause
+            self.run.recovery("detected", rec, at)
+
+    def mark_resumed(self, at: float) -> None:
+        """Survivors committed a step at ``at``: every disrupted, detected failure has resumed."""
+        with self.run.lock:
+            for recs in self._open.values():
+                for rec in recs:
+                    if rec.disrupted and rec.detected_at is not None and rec.resumed_at is None:
+                        rec.resumed_at = at
+                        self.run.recovery("resumed", rec, at)
+
+    def mark_rejoined(self, rank: int, at: float, how: str, identical: bool | None = None) -> None:
+        with self.run.lock:
+            for rec in self._open.get(rank, []):
+                if rec.restarted and rec.rejoined_at is None:
+                    rec.rejoined_at = at
+                    rec.replicas_identical = identical
+                    rec.how = how
+                    self.run.recovery("rejoined", rec, at)
+
+    def on_event(self, event) -> None:
+        """The controller's event log (IO thread): open records for injected faults, time detections."""
+        procs = self.procs
+        if procs is None or event.mesh != procs.name:
+            return
+        if event.kind == "fault_injected":
+            kind = (event.cause or event.detail.split(" ")[0]) or "fault"
+            self.open_record(kind, event.rank, event.monotonic, cause="injected", pid=event.pid)
+        elif event.kind in ("proc_exited", "proc_hung"):
+            with self.run.lock:
+                opened = self._open.get(event.rank, [])
+                recs = [r for r in opened if r.detected_at is None]
+                # the exit of a proc already known failed (a hung proc fenced) is the same failure
+                known = any(r.pid == event.pid for r in opened if r.pid)
+            if not recs and not known and event.kind == "proc_exited" and not self.run.stopping:
+                recs = [self.open_record("crash", event.rank, event.monotonic, pid=event.pid)]
+            with self.run.lock:
+                for rec in recs:
+                    if rec.pid is None:
+                        rec.pid = event.pid
+                    self.detect(rec, event.monotonic, event.cause or event.kind)
+
+    # -- failures ---------------------------------------------------------------------------------
+    def supervise(self, failure: Any) -> bool:
+        """The mesh owner's ``__supervise__`` (supervisor thread): hand the failure to the
+        training thread; always handled (this run restarts and heals its ranks)."""
+        if not self.run.stopping:
+            error = SupervisionError(failure.rank, failure.cause, failure.detail, failure.signal)
+            self.events.put(("failed", failure.rank, error, failure.pid))
+        return True
+
+    def current_pid(self, rank: int) -> int | None:
+        from ..runtime.controller import Controller
+
+        try:
+            return Controller.get().proc_record(self.procs.name, rank).pid
+        except Exception:
+            return None
+
+    def fail_rank(self, rank: int, exc: BaseException | None = None) -> bool:
+        """Take ``rank`` out and restart it in the background, once per failure. Returns False
+        if it was already being restarted (the same failure reported twice)."""
+        now = time.monotonic()
+        with self.run.lock:
+            state = self.state.get(rank)
+            recs = self.open_for(rank)
+        if not recs and not self.run.stopping and state != RankState.RESTARTING:
+            recs = [self.open_record(kind_of(exc), rank, now, pid=self.current_pid(rank))]
+        with self.run.lock:
+            for rec in recs:
+                rec.disrupted = True
+                self.detect(rec, now, cause_of(exc))
+            if state in (RankState.RESTARTING, RankState.OUT):
+                return False
+            if rank in self.members:
+                self.broken = True
+            self.state[rank] = RankState.RESTARTING
+            for rec in recs:
+                rec.restarted = True
+        if self.run.stopping:
+            return True
+        thread = threading.Thread(target=self._restart, args=(rank,), name=f"monarch_nb-restart-{rank}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return True
+
+    def _wait_until_dead(self, rank: int, timeout_s: float = 5.0) -> None:
+        """A hung rank is being fenced: let its exit be seen before restarting it, so the fence's
+        exit and the restart do not race."""
+        from ..runtime.controller import Controller
+
+        rec = Controller.get().proc_record(self.procs.name, rank)
+        deadline = time.monotonic() + timeout_s
+        while rec.state == ProcState.HUNG and time.monotonic() < deadline and not self.run.stopping:
+            time.sleep(0.005)
+
+    def _restart(self, rank: int) -> None:
+        """A restart thread: restart ``rank`` (a warm spare takes its place when there is one).
+        While the rank's host is lost, wait for it to be attached again (not an attempt)."""
+        from ..runtime.hosts import AttachError
+
+        last: BaseException | None = None
+        attempt = 0
+        while attempt < _RESTART_ATTEMPTS:
+            if self.run.stopping:
+                return
+            try:
+                self._wait_until_dead(rank)
+                self.procs.restart(rank, timeout_s=self.options.restart_timeout_s)
+                trainer = self.trainers.get(rank)
+                if trainer is not None:  # the restart built a light Trainer again: make it a replica
+                    trainer.setup.call_one().get(self.options.restart_timeout_s)
+                self.events.put(("ready", rank))
+                return
+            except MeshStoppedError:
+                return
+            except AttachError as exc:
+                if last is None or not isinstance(last, AttachError):
+                    log.warning("rank %d waits for its host to come back: %s", rank, exc)
+                last = exc
+                self._wait_for_host(rank)
+                continue
+            except Exception as exc:
+                if self.run.stopping:
+                    return
+                attempt += 1
+                last = exc
+                first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                log.warning("restarting rank %d failed (attempt %d of %d): %s", rank, attempt, _RESTART_ATTEMPTS,
+                            first_line)
+        if not self.run.stopping:
+            self.events.put(("restart_failed", rank, last))
+
+    def _wait_for_host(self, rank: int) -> None:
+        """Until the host of ``rank`` serves again (attached again after it was lost) or the run stops."""
+        from ..runtime.controller import Controller
+
+        controller = Controller.get()
+        host = controller.proc_record(self.procs.name, rank).host
+        while not self.run.stopping:
+            record = controller.hosts.get(host)
+            if record is None or record.state == ProcState.HEALTHY:
+                return
+            self.run.stop_event.wait(0.2)
+
+    def on_ready(self, rank: int) -> None:
+        if self.state.get(rank) == RankState.RESTARTING:
+            self.state[rank] = RankState.READY
+
+    def on_restart_failed(self, rank: int) -> None:
+        if self.state.get(rank) == RankState.RESTARTING:
+            self.state[rank] = RankState.OUT
+
+    def join_threads(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- quorums ----------------------------------------------------------------------------------
+    def form_quorum(self) -> None:
+        """Form a new quorum of the live ranks; retries without ranks that fail meanwhile. If every
+        live rank fails meanwhile, returns with no quorum (the run then restores a snapshot).
+
+        Raises:
+            TrainingError: no quorum after 20 tries.
+            Stopped: the run was stopped.
+        """
+        o = self.options
+        self.run.phase("forming quorum")
+        for _ in range(20):
+            ranks = self.live
+            if not ranks:
+                self.broken = True
+                return
+            self.quorum += 1
+            quorum = self.quorum
+            aborted = threading.Event()
+
+            def abort(rank: int, exc: BaseException) -> None:
+                if own_failure(exc) and not aborted.is_set():
+                    aborted.set()
+                    self.store.set(f"quorum{quorum}/abort", "1")
+
+            futures = {r: self.trainers[r].init_quorum.call_one(quorum, ranks) for r in ranks}
+            values, errors = wait_all(futures, o.collective_timeout_s + 5.0, self.run.stop_event, abort)
+            if not errors:
+                self.members, self.broken = ranks, False
+                return
+            if not aborted.is_set():
+                self.store.set(f"quorum{quorum}/abort", "1")
+            for r, e in errors.items():
+                if own_failure(e):
+                    self.fail_rank(r, e)
+            log.info("quorum %d of %s failed (%s); forming another", quorum, ranks,
+                     ", ".join(f"{r}: {type(e).__name__}" for r, e in errors.items()))
+        raise TrainingError("could not form a quorum after 20 tries")
+
+    # -- heals ------------------------------------------------------------------------------------
+    def heal_ready(self) -> list[int]:
+        """Heal every ready rank from a live donor (the ranks are idle at a step boundary); returns
+        the ranks that are live again (a quorum must then be formed)."""
+        joined: list[int] = []
+        for rank in self.ready:
+            if not self.live:
+                break
+            donor = self.live[0]
+            self.run.phase("healing")
+            t0 = time.monotonic()
+            try:
+                info = self.heal(rank, donor)
+            except Stopped:
+                raise
+            except BaseException as exc:
+                culprit = getattr(exc, "rank", None)
+                if culprit == donor and isinstance(exc, (SupervisionError, ActorError)):
+                    self.fail_rank(donor, exc)  # the joiner stays ready: healed from another donor next
+                else:
+                    log.warning("healing rank %d failed: %s; restarting it again", rank, exc)
+                    self.fail_rank(rank, exc)
+                continue
+            self.state[rank] = RankState.LIVE
+            with self.run.lock:
+                for rec in self._open.get(rank, []):
+                    if rec.restarted and rec.heal_ms is None:
+                        rec.heal_ms = (time.monotonic() - t0) * 1e3
+                        rec.heal_bytes, rec.heal_chunks = info["nbytes"], info["chunks"]
+            joined.append(rank)
+        return joined
+
+    def heal(self, rank: int, donor: int) -> dict:
+        """Stream ``donor``'s state to ``rank`` through the controller, chunk by chunk, checked."""
+        timeout = self.options.collective_timeout_s
+        donor_t, joiner_t = self.trainers[donor], self.trainers[rank]
+        manifest = self._get(donor_t.state_manifest.call_one(), timeout)
+        try:
+            self._get(joiner_t.load_begin.call_one(manifest), timeout)
+            for i in range(manifest["chunks"]):
+                pieces = self._get(donor_t.state_chunk.call_one(i), timeout)
+                self._get(joiner_t.load_chunk.call_one(i, pieces), timeout)
+        finally:
+            try:
+                self._get(donor_t.state_done.call_one(), timeout)
+            except Stopped:
+                raise
+            except Exception:
+                log.debug("releasing the donor's state failed", exc_info=True)
+        result = self._get(joiner_t.load_end.call_one(), timeout)
+        return {**result, "nbytes": manifest["nbytes"], "chunks": manifest["chunks"]}
+
+    def _get(self, future: Any, timeout_s: float) -> Any:
+        """``future.get`` with a deadline that gives up at once when the run stops."""
+        values, errors = wait_all({0: future}, timeout_s, self.run.stop_event)
+        if errors:
+            raise errors[0]
+        return values[0]
+
+    def catch_up(self, next_steps: dict[int, int]) -> int:
+        """Make the live ranks agree after a failure: the ranks one step behind apply the last
+        step's averaged gradient from a rank that applied it. Returns the agreed next step.
+
+        ``next_steps``: each live rank's next step. A rank more than one step behind (not
+        possible with windows of one quorum) is restarted and healed.
+        """
+        if not next_steps:
+            return 0
+        ahead = max(next_steps.values())
+        behind = [r for r, s in next_steps.items() if s == ahead - 1]
+        for r, s in next_steps.items():
+            if s < ahead - 1:
+                log.warning("rank %d is at step %d, %d behind; healing it", r, s, ahead - s)
+                self.fail_rank(r, RuntimeError(f"rank {r} fell {ahead - s} steps behind"))
+        if not behind:
+            return ahead
+        donors = [r for r, s in next_steps.items() if s == ahead and self.state.get(r) == RankState.LIVE]
+        timeout = self.options.collective_timeout_s
+        for donor in donors:
+            try:
+                grad = self._get(self.trainers[donor].gradient.call_one(ahead - 1), timeout)
+                break
+            except Stopped:
+                raise
+            except Exception as exc:
+                if own_failure(exc):
+                    self.fail_rank(donor, exc)
+        else:  # every rank that applied the last step is gone: the others have not, redo it
+            return ahead - 1
+        futures = {r: self.trainers[r].apply_gradient.call_one(ahead - 1, grad) for r in behind}
+        _, errors = wait_all(futures, timeout, self.run.stop_event)
+        for r, exc in errors.items():
+            self.fail_rank(r, exc)
+        return ahead
+
+    def checksums(self, timeout_s: float | None = None) -> dict:
+        """Parameter checksums of the live ranks (ranks that fail to answer are failed)."""
+        futures = {r: self.trainers[r].checksum.call_one() for r in self.live}
+        values, errors = wait_all(futures, timeout_s or self.options.collective_timeout_s, self.run.stop_event)
+        for rank, exc in errors.items():
+            self.fail_rank(rank, exc)
+        return values
+
+    # -- restore from a snapshot --------------------------------------------------------------------
+    def restore(self, path: str) -> dict[int, dict]:
+        """Load the snapshot at ``path`` into every ready rank; returns ``{rank: result}`` of the
+        ranks that loaded it (they are live now). Ranks that fail are restarted again.
+
+        Raises:
+            TrainingError: no rank could load it (the message says why).
+        """
+        self.run.phase("restoring")
+        ranks = self.ready
+        futures = {r: self.trainers[r].restore_snapshot.call_one(path) for r in ranks}
+        values, errors = wait_all(futures, self.options.collective_timeout_s + 5.0, self.run.stop_event)
+        bad_snapshot = [e for e in errors.values() if isinstance(e, ActorError)
+                        and e.exception_type in ("ValueError", "FileNotFoundError")]
+        if not values and bad_snapshot:
+            raise TrainingError(f"every rank failed at once, and the snapshot cannot be used: {bad_snapshot[0]}")
+        for r, exc in errors.items():
+            self.fail_rank(r, exc)
+        if not values:
+            raise TrainingError("every rank failed at once, and no restarted rank could load the snapshot")
+        step = max(v["next_step"] for v in values.values())
+        for r, v in values.items():
+            if v["next_step"] == step:
+                self.state[r] = RankState.LIVE
+        return {r: v for r, v in values.items() if v["next_step"] == step}
