@@ -197,8 +197,8 @@ class ActorMeshes:
     def _control_op(self, op: str, payload: dict, owner: Owner | None) -> Any:
         ctrl = self.ctrl
         if op == "spawn_procs":
-            name = ctrl._spawn_procs(payload["hosts"], payload["extent"], payload["name"], payload.get("python", ""),
-                                     spares=payload.get("spares", 0), preload=payload.get("preload", ()))
+            name = ctrl.proc_meshes.spawn(payload["hosts"], payload["extent"], payload["name"], payload.get("python", ""),
+                                          spares=payload.get("spares", 0), preload=payload.get("preload", ()))
             self.own_procs(owner, name)
             return name
         if op == "spawn_actors":

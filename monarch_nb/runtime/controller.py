@@ -4,7 +4,9 @@ One per process that drives meshes (the notebook kernel, a script); it implement
 API's :class:`~monarch_nb.actor.backend.Backend` and installs itself when it starts. It binds a
 ROUTER socket; host agents and procs connect to it. Messages between procs (an actor calling
 another actor) are forwarded here unchanged (still signed by their sender). Incoming messages are
-dispatched by kind (:class:`~monarch_nb.runtime.protocol.Kind`) from one table; liveness
+dispatched by kind (:class:`~monarch_nb.runtime.protocol.Kind`) from one table. The work is done
+in rooms beside it: proc meshes are started, stopped and restarted by :mod:`.proc_meshes`, actor
+meshes by :mod:`.actor_meshes`, hosts attached and lost by :mod:`.hosts`; liveness
 (:mod:`.liveness`) turns hellos, heartbeats and exits into states and events, the supervisor
 thread (:mod:`.supervisor`) applies policies. The controller never exits or interrupts the main
 thread because of a fault: it is a notebook kernel.
@@ -13,8 +15,6 @@ thread because of a fault: it is a notebook kernel.
 from __future__ import annotations
 
 import atexit
-import itertools
-import json
 import logging
 import os
 import secrets
@@ -34,7 +34,7 @@ from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
 from ..supervision.policy import SupervisionPolicy
-from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, ProcState, proc_identity
+from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, proc_identity
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
@@ -42,12 +42,12 @@ from ..transport.wire import Signer, route_id
 from .actor_host import ActorHost
 from .actor_meshes import LOCAL_PROC, ActorMeshes
 from .hosts import Hosts
-from .launch import RUN_DIR_PREFIX, proc_specs, sweep_stale_run_dirs
+from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
 from .output import LineAssembler, OutputLine, deliver, print_output
 from .protocol import CONTROLLER, FAULT_KINDS, Kind, validate_fault
-from .rendezvous import LazyStore
+from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
 
 __all__ = ["Controller", "OutputLine", "print_output"]
@@ -105,9 +105,7 @@ class Controller:
         self.meshes: dict[str, ProcMeshRecord] = {}
         self.hosts: dict[str, HostRecord] = {}
         self.output_sinks: list[Callable[[OutputLine], None]] = [print_output]
-        self._stores: dict[str, LazyStore] = {}
         self._lines = LineAssembler()
-        self._mesh_ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
         self.started_at = time.monotonic()
@@ -129,6 +127,7 @@ class Controller:
             Kind.PORT: self.messenger.on_port,
         }
         self.actor_meshes = ActorMeshes(self)
+        self.proc_meshes = ProcMeshes(self)
         self._handlers[Kind.ACTOR_FAILED] = self.actor_meshes.on_actor_failed
         self._handlers[Kind.CONTROL] = self.actor_meshes.on_control
         self.channel.every(config.heartbeat_interval_s, self._tick)
@@ -156,58 +155,10 @@ class Controller:
 
     def spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
                     spares: int = 0, preload: Sequence[str] = ()) -> str:
-        """Start procs (see :meth:`HostMesh.spawn_procs`), owned by the calling actor or the client."""
-        name = self._spawn_procs(hosts, extent, name, python, spares=spares, preload=preload)
+        """Start procs (see :meth:`HostMesh.spawn_procs` and :meth:`ProcMeshes.spawn`), owned by
+        the calling actor or the client; return the mesh's name."""
+        name = self.proc_meshes.spawn(hosts, extent, name, python, spares=spares, preload=preload)
         self.actor_meshes.own_procs(_caller_owner(), name)
-        return name
-
-    def _spawn_procs(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
-                     spares: int = 0, preload: Sequence[str] = ()) -> str:
-        """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
-
-        Raises:
-            ValueError: ``name`` is not a new identifier, or an unknown host.
-            AttachError: a host is lost (being attached again).
-            RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
-        """
-        with self._lock:
-            if name is None:
-                name = f"pm{next(self._mesh_ids)}"
-                while name in self.meshes:
-                    name = f"pm{next(self._mesh_ids)}"
-            elif not name.isidentifier() or name in self.meshes:
-                raise ValueError(f"proc mesh name {name!r} must be a new identifier")
-        names = [self._hosts.resolve(h).name for h in hosts]
-        placements = {h: self._hosts.placement(h) for h in set(names)}
-        remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
-        store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
-        specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
-                           master=(store.host, store.port), python=python)
-        cores = _cores()
-        local = sum(1 for s in specs if self._hosts.is_local(s["host"]))
-        if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
-            log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
-        records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
-        with self._lock:
-            for rec in records:
-                self.procs[rec.identity] = rec
-            self.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records], supervision=SupervisionPolicy())
-            self._stores[name] = store
-        self.channel.add_reader(store.fd, lambda _fd: self._start_store(store))
-        for host in dict.fromkeys(names):
-            batch = [s for s in specs if s["host"] == host]
-            self.channel.send(host, {"kind": Kind.SPAWN_PROCS}, json.dumps(batch).encode())
-        deadline = time.monotonic() + config.start_timeout_s
-        for rec in records:
-            while not rec.ready.wait(0.05):
-                if rec.state == ProcState.FAILED or time.monotonic() > deadline:
-                    self.stop_procs(name)
-                    tail = "\n".join(rec.output_tail) or "(no output)"
-                    why = f"exited ({rec.exit_info})" if rec.state == ProcState.FAILED else f"did not start within {config.start_timeout_s} s"
-                    raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
-        if spares:
-            for host in dict.fromkeys(names):
-                self._keep_spares(host, name, next(s for s in specs if s["host"] == host), spares, preload)
         return name
 
     def attach_hosts(self, workers: list[str], ca: str | None = None) -> list[str]:
@@ -217,13 +168,6 @@ class Controller:
     def detach_hosts(self, names: list[str]) -> None:
         """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`)."""
         self._hosts.detach(list(names))
-
-    def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
-        """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
-        shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
-        body = {"mesh": mesh, "count": count, "preload": list(preload), "base_env": spec.get("base_env") or {},
-                "proc_env": shared, "cwd": spec.get("cwd")}
-        self.channel.send(host, {"kind": Kind.KEEP_SPARES}, json.dumps(body).encode())
 
     def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
                      spawn_extent: Extent | None = None) -> str:
@@ -260,34 +204,7 @@ class Controller:
 
     def stop_procs(self, mesh: str, timeout_s: float | None = None) -> None:
         """Stop the procs of ``mesh``: ask nicely, SIGKILL after ``stop_timeout_s``. Idempotent."""
-        record = self.meshes.get(mesh)
-        if record is None or record.stopped:
-            return
-        self.actor_meshes.before_stop_procs(mesh)
-        record.stopped = True
-        records = [self.procs[i] for i in record.procs]
-        for host in {r.host for r in records}:
-            if self.hosts.get(host, HostRecord(host)).spares.pop(mesh, None) is not None:
-                self._keep_spares(host, mesh, records[0].spec, 0, ())
-        for rec in records:
-            if rec.alive:
-                rec.state = ProcState.STOPPING
-                self.channel.send(rec.identity, {"kind": Kind.STOP})
-        deadline = time.monotonic() + (config.stop_timeout_s if timeout_s is None else timeout_s)
-        while any(r.alive for r in records) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for rec in records:
-            if rec.alive:
-                self.signal_proc(rec.identity, "SIGKILL")
-        deadline = time.monotonic() + 5.0
-        while any(r.alive for r in records) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.messenger.fail_calls_to({r.identity for r in records},
-                                     lambda t: SupervisionError(t.rank, "stopped", "actor mesh is stopped due to proc mesh shutdown"))
-        store = self._stores.pop(mesh, None)
-        if store is not None:
-            self.channel.remove_reader(store.fd)
-            store.close()
+        self.proc_meshes.stop(mesh, timeout_s)
 
     def restart_proc(self, mesh: str, rank: int, timeout_s: float = 30.0) -> None:
         """Restart one proc in place: same rank and coordinates, new pid, its actors respawned
@@ -302,44 +219,7 @@ class Controller:
         """
         rec = self.proc_record(mesh, rank)
         self._mesh(rec.mesh)
-        self._hosts.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
-        if not rec.restart_lock.acquire(blocking=False):  # a restart is under way: it is the one
-            self.record_event("restart_skipped", rec, detail=f"already being restarted (restart {rec.restarts})", cause="restart")
-            if not rec.restart_lock.acquire(timeout=timeout_s):
-                raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
-            rec.restart_lock.release()
-            if not rec.serving:
-                raise RuntimeError(f"proc {rec.identity} was restarted by someone else but is {rec.state}")
-            return
-        try:
-            self._restart_locked(rec, timeout_s)
-        finally:
-            rec.restart_lock.release()
-
-    def _restart_locked(self, rec: ProcRecord, timeout_s: float) -> None:
-        if rec.state in (ProcState.HEALTHY, ProcState.BUSY, ProcState.HUNG, ProcState.STARTING):
-            rec.fenced = rec.fenced or rec.state == ProcState.HUNG
-            rec.state = ProcState.RESTARTING
-            rec.restart_kill_pid = rec.pid
-            self.signal_proc(rec.identity, "SIGKILL")
-            deadline = time.monotonic() + 5.0
-            while rec.exit_info is None and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self.messenger.proc_failed(rec.identity, SupervisionError(rec.rank, "restarting", "the proc is being restarted"))
-        rec.state = ProcState.RESTARTING
-        rec.restarts += 1
-        rec.ready.clear()
-        self.record_event("proc_restarting", rec, detail=f"restart {rec.restarts}", cause="restart")
-        self.channel.send(rec.host, {"kind": Kind.SPAWN_PROCS}, json.dumps([rec.spec]).encode())
-        deadline = time.monotonic() + timeout_s
-        while not rec.ready.wait(0.05):
-            if rec.state == ProcState.FAILED:  # the new incarnation died before it served
-                tail = "\n".join(list(rec.output_tail)[-20:]) or "(no output)"
-                raise RuntimeError(f"proc {rec.identity} died while restarting ({rec.exit_info}); its output:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
-        if not rec.serving:  # busy: a heartbeat already saw an endpoint running
-            raise RuntimeError(f"proc {rec.identity} restarted but is {rec.state}: {self.events.events()[-1].detail}")
+        self.proc_meshes.restart(rec, timeout_s)
 
     def supervise(self, mesh: str, policy: SupervisionPolicy) -> SupervisionPolicy:
         """Make ``policy`` the supervision policy of proc mesh ``mesh`` (see :meth:`ProcMesh.supervise`)."""
@@ -393,10 +273,7 @@ class Controller:
         Raises:
             ValueError: no such proc mesh.
         """
-        store = self._stores.get(mesh)
-        if store is None:
-            raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.meshes)}")
-        return store.host
+        return self.proc_meshes.rendezvous_host(mesh)
 
     def proc_record(self, mesh: str, rank: int) -> ProcRecord:
         """The record of rank ``rank`` of proc mesh ``mesh``.
@@ -490,10 +367,6 @@ class Controller:
         )
         assert future is not None
         return future
-
-    def _start_store(self, store: LazyStore) -> None:
-        self.channel.remove_reader(store.fd)
-        store.start()
 
     def _tick(self) -> None:
         self._hosts.tick()  # first: a silent host fails its procs as host_lost, not one by one as hung
@@ -599,10 +472,6 @@ class Controller:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if backend.existing() is self:
             backend.install(None)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _caller_owner() -> tuple | None:

@@ -1,0 +1,195 @@
+"""The life of proc meshes: starting one on its hosts, stopping it, restarting one of its procs.
+
+:class:`ProcMeshes` is a part of the :class:`~monarch_nb.runtime.controller.Controller` (it works
+on the controller's records: ``procs``, ``meshes``, ``hosts``), kept here so that the
+controller's module stays the hub and each room does one thing. Every proc mesh gets a
+:class:`~monarch_nb.runtime.rendezvous.LazyStore` on an address all its hosts reach, named in
+its procs' ``MASTER_ADDR`` / ``MASTER_PORT``; warm spares are asked of each host's agent once the
+mesh serves. A restart reuses the proc's spec (same rank, coordinates and environment) and is
+serialized per rank: a second request while one runs waits for it (``restart_skipped`` event).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from ..actor.shape import Extent
+from ..config import config
+from ..errors import SupervisionError
+from ..supervision.policy import SupervisionPolicy
+from ..supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
+from .launch import proc_specs
+from .protocol import Kind
+from .rendezvous import LazyStore
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+__all__ = ["ProcMeshes"]
+
+log = logging.getLogger(__name__)
+
+
+class ProcMeshes:
+    """Spawn, stop and restart the procs of the controller ``ctrl`` (see the module docstring)."""
+
+    def __init__(self, ctrl: "Controller"):
+        self.ctrl = ctrl
+        self._stores: dict[str, LazyStore] = {}
+        self._ids = itertools.count()
+
+    def spawn(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
+              spares: int = 0, preload: Sequence[str] = ()) -> str:
+        """Start ``extent.nelements`` procs (see :meth:`HostMesh.spawn_procs`); return the mesh's name.
+
+        Raises:
+            ValueError: ``name`` is not a new identifier, or an unknown host.
+            AttachError: a host is lost (being attached again).
+            RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
+        """
+        ctrl = self.ctrl
+        with ctrl._lock:
+            if name is None:
+                name = f"pm{next(self._ids)}"
+                while name in ctrl.meshes:
+                    name = f"pm{next(self._ids)}"
+            elif not name.isidentifier() or name in ctrl.meshes:
+                raise ValueError(f"proc mesh name {name!r} must be a new identifier")
+        names = [ctrl._hosts.resolve(h).name for h in hosts]
+        placements = {h: ctrl._hosts.placement(h) for h in set(names)}
+        remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
+        store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
+        specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
+                           master=(store.host, store.port), python=python)
+        cores = _cores()
+        local = sum(1 for s in specs if ctrl._hosts.is_local(s["host"]))
+        if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
+            log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
+        records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
+        with ctrl._lock:
+            for rec in records:
+                ctrl.procs[rec.identity] = rec
+            ctrl.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records], supervision=SupervisionPolicy())
+            self._stores[name] = store
+        ctrl.channel.add_reader(store.fd, lambda _fd: self._start_store(store))
+        for host in dict.fromkeys(names):
+            batch = [s for s in specs if s["host"] == host]
+            ctrl.channel.send(host, {"kind": Kind.SPAWN_PROCS}, json.dumps(batch).encode())
+        deadline = time.monotonic() + config.start_timeout_s
+        for rec in records:
+            while not rec.ready.wait(0.05):
+                if rec.state == ProcState.FAILED or time.monotonic() > deadline:
+                    self.stop(name)
+                    tail = "\n".join(rec.output_tail) or "(no output)"
+                    why = f"exited ({rec.exit_info})" if rec.state == ProcState.FAILED else f"did not start within {config.start_timeout_s} s"
+                    raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
+        if spares:
+            for host in dict.fromkeys(names):
+                self._keep_spares(host, name, next(s for s in specs if s["host"] == host), spares, preload)
+        return name
+
+    def rendezvous_host(self, mesh: str) -> str:
+        """The address of the controller's machine that every proc of ``mesh`` reaches.
+
+        Raises:
+            ValueError: no such proc mesh (or it was stopped).
+        """
+        store = self._stores.get(mesh)
+        if store is None:
+            raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.ctrl.meshes)}")
+        return store.host
+
+    def _start_store(self, store: LazyStore) -> None:
+        self.ctrl.channel.remove_reader(store.fd)
+        store.start()
+
+    def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
+        """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
+        shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
+        body = {"mesh": mesh, "count": count, "preload": list(preload), "base_env": spec.get("base_env") or {},
+                "proc_env": shared, "cwd": spec.get("cwd")}
+        self.ctrl.channel.send(host, {"kind": Kind.KEEP_SPARES}, json.dumps(body).encode())
+
+    def stop(self, mesh: str, timeout_s: float | None = None) -> None:
+        """Stop the procs of ``mesh``: ask nicely, SIGKILL after ``stop_timeout_s``. Idempotent."""
+        ctrl = self.ctrl
+        record = ctrl.meshes.get(mesh)
+        if record is None or record.stopped:
+            return
+        ctrl.actor_meshes.before_stop_procs(mesh)
+        record.stopped = True
+        records = [ctrl.procs[i] for i in record.procs]
+        for host in {r.host for r in records}:
+            if ctrl.hosts.get(host, HostRecord(host)).spares.pop(mesh, None) is not None:
+                self._keep_spares(host, mesh, records[0].spec, 0, ())
+        for rec in records:
+            if rec.alive:
+                rec.state = ProcState.STOPPING
+                ctrl.channel.send(rec.identity, {"kind": Kind.STOP})
+        deadline = time.monotonic() + (config.stop_timeout_s if timeout_s is None else timeout_s)
+        while any(r.alive for r in records) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for rec in records:
+            if rec.alive:
+                ctrl.signal_proc(rec.identity, "SIGKILL")
+        deadline = time.monotonic() + 5.0
+        while any(r.alive for r in records) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ctrl.messenger.fail_calls_to({r.identity for r in records},
+                                     lambda t: SupervisionError(t.rank, "stopped", "actor mesh is stopped due to proc mesh shutdown"))
+        store = self._stores.pop(mesh, None)
+        if store is not None:
+            ctrl.channel.remove_reader(store.fd)
+            store.close()
+
+    def restart(self, rec: ProcRecord, timeout_s: float) -> None:
+        """Restart the proc of ``rec`` in place (see :meth:`Controller.restart_proc`)."""
+        self.ctrl._hosts.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
+        if not rec.restart_lock.acquire(blocking=False):  # a restart is under way: it is the one
+            self.ctrl.record_event("restart_skipped", rec, detail=f"already being restarted (restart {rec.restarts})",
+                                   cause="restart")
+            if not rec.restart_lock.acquire(timeout=timeout_s):
+                raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
+            rec.restart_lock.release()
+            if not rec.serving:
+                raise RuntimeError(f"proc {rec.identity} was restarted by someone else but is {rec.state}")
+            return
+        try:
+            self._restart_locked(rec, timeout_s)
+        finally:
+            rec.restart_lock.release()
+
+    def _restart_locked(self, rec: ProcRecord, timeout_s: float) -> None:
+        ctrl = self.ctrl
+        if rec.state in (ProcState.HEALTHY, ProcState.BUSY, ProcState.HUNG, ProcState.STARTING):
+            rec.fenced = rec.fenced or rec.state == ProcState.HUNG
+            rec.state = ProcState.RESTARTING
+            rec.restart_kill_pid = rec.pid
+            ctrl.signal_proc(rec.identity, "SIGKILL")
+            deadline = time.monotonic() + 5.0
+            while rec.exit_info is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            ctrl.messenger.proc_failed(rec.identity, SupervisionError(rec.rank, "restarting", "the proc is being restarted"))
+        rec.state = ProcState.RESTARTING
+        rec.restarts += 1
+        rec.ready.clear()
+        ctrl.record_event("proc_restarting", rec, detail=f"restart {rec.restarts}", cause="restart")
+        ctrl.channel.send(rec.host, {"kind": Kind.SPAWN_PROCS}, json.dumps([rec.spec]).encode())
+        deadline = time.monotonic() + timeout_s
+        while not rec.ready.wait(0.05):
+            if rec.state == ProcState.FAILED:  # the new incarnation died before it served
+                tail = "\n".join(list(rec.output_tail)[-20:]) or "(no output)"
+                raise RuntimeError(f"proc {rec.identity} died while restarting ({rec.exit_info}); its output:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
+        if not rec.serving:  # busy: a heartbeat already saw an endpoint running
+            raise RuntimeError(f"proc {rec.identity} restarted but is {rec.state}: {ctrl.events.events()[-1].detail}")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
