@@ -10,9 +10,24 @@ torch is RCCL.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
-__all__ = ["GpuInventory", "detect_gpus", "visibility_env", "backend", "device", "describe"]
+__all__ = ["GpuInventory", "detect_gpus", "visibility_env", "backend", "device", "describe", "loaded_torch"]
+
+
+def loaded_torch() -> ModuleType | None:
+    """torch if this process has finished importing it, else None; never imports it.
+
+    A torch that another thread is still importing (``sys.modules`` holds it from the import's
+    first line, its ``__spec__._initializing`` set) counts as not loaded: reading ``torch.Tensor``
+    or ``torch.cuda`` from it would raise AttributeError ("partially initialized module").
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return None
+    return torch
 
 
 class GpuInventory:

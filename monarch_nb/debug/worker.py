@@ -283,7 +283,9 @@ def install_sources(sources: dict) -> None:
 
 def describe_device() -> str:
     """The rank's device in one line; torch is only asked if the proc already imported it."""
-    torch = sys.modules.get("torch")
+    from ..device import loaded_torch
+
+    torch = loaded_torch()
     if torch is None:
         return "cpu (torch is not loaded in this proc)"
     try:

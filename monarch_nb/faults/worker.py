@@ -14,6 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..device import loaded_torch
 from ..runtime.protocol import Kind
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def take_nan() -> bool:
 
 
 def _is_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     return torch is not None and isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
 
 

@@ -32,13 +32,13 @@ import ast
 import ctypes
 import linecache
 import os
-import sys
 import threading
 import time
 import traceback
 from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
+from ..device import loaded_torch
 from . import display_worker
 from .display_worker import MARKER, flush_all, marker_line, mime_bundle, write_all
 
@@ -299,7 +299,7 @@ class MeshProbe(Actor):
         out: dict[str, Any] = {"cpu_percent": 100.0 * (cpu - last_cpu) / max(now - last_t, 1e-6),
                                "rss_bytes": _rss_bytes(), "memory_used_bytes": None, "memory_total_bytes": None,
                                "memory_note": ""}
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             free, total = torch.cuda.mem_get_info(0)
             out.update(device="cuda:0", memory_used_bytes=total - free, memory_total_bytes=total,

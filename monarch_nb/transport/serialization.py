@@ -103,8 +103,9 @@ class _Pickler(cloudpickle.CloudPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
-        torch = sys.modules.get("torch")
-        if torch is not None and kind is torch.Tensor:
+        # no torch.Tensor yet while another thread is still importing torch: nothing is a tensor then
+        tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
+        if tensor_type is not None and kind is tensor_type:
             reduced = _reduce_tensor(obj)
             if reduced is not NotImplemented:
                 return reduced

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -88,3 +89,29 @@ def test_shared_memory_buffers_are_mapped_once_and_cleaned_up():
         shm.import_buffer(orphan, 5)
     orphan2 = shm.export_buffer(memoryview(b"x" * 100), run_id)
     assert shm.remove_orphans(run_id) == 1 and not os.path.exists(os.path.join(shm.SHM_DIR, orphan2))
+
+
+class _Point:
+    def __init__(self, x: int):
+        self.x = x
+
+
+def test_pickling_while_another_thread_is_still_importing_torch(monkeypatch):
+    """While a thread imports torch, ``sys.modules["torch"]`` is a module without ``Tensor`` yet
+    (importlib marks its spec ``_initializing``): calls pickled meanwhile must go out, and code
+    that looks at a loaded torch must see none."""
+    import importlib.machinery
+    import types
+
+    from monarch_nb.device import loaded_torch
+
+    half = types.ModuleType("torch")
+    half.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    half.__spec__._initializing = True
+    monkeypatch.setitem(sys.modules, "torch", half)
+    assert loaded_torch() is None
+    body, buffers = dumps((_Point, (_Point(3),), {"k": [_Point(4)]}))
+    cls, args, kwargs = loads(body, buffers)
+    assert (cls, args[0].x, kwargs["k"][0].x) == (_Point, 3, 4)
+    monkeypatch.undo()
+    assert loaded_torch() is torch
