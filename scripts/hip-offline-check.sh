@@ -40,6 +40,10 @@ if ! command -v hipcc >/dev/null 2>&1; then
   echo "hip-offline-check: FAILED: no hipcc, and it could not be installed (apt-get install --no-install-recommends hipcc)"
   exit 3
 fi
+# the compilers' scratch space (clang's offload bundler leaves empty <kernel>-XXXXXX folders behind)
+export TMPDIR="$OUT/tmp"
+mkdir -p "$TMPDIR"
+trap 'rm -rf "$OUT/tmp"' EXIT
 hip_flags=(-x hip -O3 -Wall -Wextra -Werror -I"$CSRC")
 for arch in $HIP_ARCHS; do hip_flags+=("--offload-arch=$arch"); done
 hip_version="$(HIP_PLATFORM=amd hipcc --version 2>/dev/null | sed -n 's/^HIP version: //p' | head -1)"

@@ -346,9 +346,15 @@ def _cuda_cubin_archs(obj: Path) -> list[int]:
 
 @pytest.mark.timeout(900)
 def test_offline_check_compiles_the_kernels_for_amd_and_nvidia_targets(tmp_path):
+    import tempfile
+
+    temp = Path(tempfile.gettempdir())
+    before = set(os.listdir(temp))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "hip-offline-check.sh"), str(tmp_path)],
                           capture_output=True, text=True, timeout=850)
     output = proc.stdout + proc.stderr
+    left = sorted(n for n in set(os.listdir(temp)) - before if n.startswith(("grad_health-", "checksum-")))
+    assert not left, f"the compilers left scratch folders in {temp}: {left}"
     if proc.returncode == 3:
         if os.environ.get("CI"):
             pytest.fail("hipcc is missing in CI and could not be installed (apt-get install hipcc):\n" + output)
