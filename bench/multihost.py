@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -208,22 +209,8 @@ def bench_detection(cluster: NetnsCluster, ca: str, trials: int) -> dict:
                 "samples_s": v} for k, v in out.items()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=1000, help="round trips per latency figure (default 1000)")
-    parser.add_argument("--bulk", type=int, default=5, help="64 MiB round trips per throughput figure (default 5)")
-    parser.add_argument("--trials", type=int, default=5, help="host losses per detection figure (default 5)")
-    parser.add_argument("--steps", type=int, default=400, help="training steps per steady-state figure (default 400)")
-    parser.add_argument("--quick", action="store_true", help="200 calls, 3 bulk rounds, 2 trials, 150 steps")
-    args = parser.parse_args()
-    if args.quick:
-        args.calls, args.bulk, args.trials, args.steps = 200, 3, 2, 150
-    why = namespaces_unavailable()
-    if why is not None:
-        print(f"bench/multihost.py: {why}", file=sys.stderr)
-        return 2
-    monarch_nb.configure(heartbeat_interval_s=0.1, hang_timeout_s=1.0)
-    folder = tempfile.mkdtemp(prefix="mnb-bench-keys-")
+def run_all(args: argparse.Namespace, folder: str) -> dict:
+    """Every figure, with the cluster's keys made in ``folder``."""
     curve, plain = create_keys(f"{folder}/curve"), create_keys(f"{folder}/plain.key", curve=False)
     results: dict = {"cores": os.cpu_count(), "hang_timeout_s": 1.0, "heartbeat_interval_s": 0.1}
     with_curve = NetnsCluster(2, curve).start()
@@ -243,6 +230,29 @@ def main() -> int:
         Controller.get().shutdown()
     finally:
         without.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=1000, help="round trips per latency figure (default 1000)")
+    parser.add_argument("--bulk", type=int, default=5, help="64 MiB round trips per throughput figure (default 5)")
+    parser.add_argument("--trials", type=int, default=5, help="host losses per detection figure (default 5)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per steady-state figure (default 400)")
+    parser.add_argument("--quick", action="store_true", help="200 calls, 3 bulk rounds, 2 trials, 150 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.calls, args.bulk, args.trials, args.steps = 200, 3, 2, 150
+    why = namespaces_unavailable()
+    if why is not None:
+        print(f"bench/multihost.py: {why}", file=sys.stderr)
+        return 2
+    monarch_nb.configure(heartbeat_interval_s=0.1, hang_timeout_s=1.0)
+    folder = tempfile.mkdtemp(prefix="mnb-bench-keys-")
+    try:
+        results = run_all(args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     floor_us = results["floor"]["rtt"]["median_us"]
     floor_bulk = results["floor"]["bulk_64mib_gbps"]
     rows = [

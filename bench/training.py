@@ -101,20 +101,23 @@ def _run_ddp_once(args, workload: str, steps: int, *, kill_at: int, checkpoint_e
         "--seed", str(args.seed), "--out", out, "--checkpoint-dir", work, "--checkpoint-every", str(checkpoint_every),
         "--kill-at", str(kill_at), "--kill-rank", "2",
     ]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", LOGLEVEL="ERROR")
-    t0 = time.time()
-    proc = subprocess.run(_netns_prefix() + cmd, capture_output=True, text=True, env=env, timeout=1800)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    final = out if os.path.exists(out) else max(
-        (os.path.join(work, n) for n in os.listdir(work) if n.startswith("summary.json.attempt")), key=os.path.getmtime)
-    summary = json.load(open(final))
-    start = json.load(open(out + ".start"))
-    summary["train_wall_s"] = summary["t_end"] - start["t_first_step"]
-    summary["job_wall_s"] = wall
-    summary["throughput_samples_per_s"] = steps * summary["global_batch"] / summary["train_wall_s"]
-    shutil.rmtree(work, ignore_errors=True)
+    # torchrun's own scratch folders (torchelastic_*) go into the job's folder, removed below
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", LOGLEVEL="ERROR", TMPDIR=work)
+    try:
+        t0 = time.time()
+        proc = subprocess.run(_netns_prefix() + cmd, capture_output=True, text=True, env=env, timeout=1800)
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        final = out if os.path.exists(out) else max(
+            (os.path.join(work, n) for n in os.listdir(work) if n.startswith("summary.json.attempt")), key=os.path.getmtime)
+        summary = json.load(open(final))
+        start = json.load(open(out + ".start"))
+        summary["train_wall_s"] = summary["t_end"] - start["t_first_step"]
+        summary["job_wall_s"] = wall
+        summary["throughput_samples_per_s"] = steps * summary["global_batch"] / summary["train_wall_s"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return summary
 
 
