@@ -14,6 +14,9 @@ Measured in one run, on one machine, so the ratios hold on a noisy host:
   growth over many calls, and the peak extra RSS of a 64 MiB round trip in copies of the tensor.
 
 Prints a table and writes bench/results/actor_latency.json. Medians and p95 in microseconds.
+
+Over 500 lines on purpose: one Monarch-API script run on monarch_nb, on a baseline checkout and
+on torchmonarch in the same run, plus the raw pyzmq floor; each figure is a function of its own.
 """
 
 from __future__ import annotations

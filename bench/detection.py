@@ -21,6 +21,9 @@ timeout 2 s, fencing on):
 - heartbeat cost: 8 idle procs, the controller's CPU time over ~10 s (``getrusage``), as % of a core.
 
 Prints a table and writes bench/results/detection.json. Latencies in milliseconds.
+
+Over 500 lines on purpose: one benchmark and its peers (torchmonarch, ipyparallel) measured in
+the same run, each fault kind and each peer a function of its own.
 """
 
 from __future__ import annotations

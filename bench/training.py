@@ -29,6 +29,9 @@ Same workload, model, data, sample order, global batch and procs on both sides. 
 
 torchrun's own rendezvous store listens on every interface; the DDP jobs therefore run in a
 private network namespace (``unshare -n``) with only loopback, when that is available.
+
+Over 500 lines on purpose: every training figure with its peer (plain DDP, torchrun restarts) in
+the same run; each section is a function of its own.
 """
 
 from __future__ import annotations

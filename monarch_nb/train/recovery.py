@@ -19,6 +19,9 @@ stops, restart threads end quietly (no traceback after the run's last word).
 A *quorum* is one process group of the live ranks (torchft's term; "epoch" means a pass over the
 data only). Forming one is a barrier in the controller's rendezvous store that the controller
 aborts if a member fails meanwhile; it is retried without the failed ranks.
+
+A little over 500 lines on purpose: rank states, failure records, restarts and quorums are one
+state machine driven from one thread; split over files its transitions would be read apart.
 """
 
 from __future__ import annotations
