@@ -126,6 +126,17 @@ class NetnsCluster:
         self.workers.append(popen)
         return popen
 
+    def kill_worker(self, i: int) -> None:
+        """SIGKILL host ``i``'s worker loop (not what it started)."""
+        worker = self.workers[i]
+        worker.kill()
+        worker.wait()
+
+    def start_worker_again(self, i: int, timeout_s: float = 60.0) -> None:
+        """Start host ``i``'s worker loop again, at the same address."""
+        self.workers[i] = self._start_worker(i)
+        self._first_line(self.workers[i], time.monotonic() + timeout_s)
+
     def cut(self, i: int) -> None:
         """Partition host ``i``: its link goes down."""
         _ip("link", "set", self.veth(i), "down")

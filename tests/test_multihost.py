@@ -120,6 +120,26 @@ def test_a_killed_host_agent_fails_its_procs_only_and_the_host_comes_back(cluste
     assert actors.add.call(0).get(timeout=30).values() == [1, 1, 0, 0]
 
 
+def test_a_killed_worker_loop_takes_its_agent_and_procs_along_and_comes_back(cluster, mesh):
+    """The worker loop of a host is SIGKILLed (as a node's service manager would stop it): its host
+    agent and procs end with it (nothing serves on behind its back), the host is lost; the loop
+    started again at the same address is attached again, and the host's ranks restart on it."""
+    hosts, procs = mesh
+    actors = procs.spawn("loop_killed", Where)
+    ctrl = Controller.get()
+    host = hosts.host_names[1]
+    orphans = [ctrl.hosts[host].pid] + [ctrl.proc_record(procs.name, r).pid for r in (2, 3)]
+    since = ctrl.events.next_seq
+    cluster.kill_worker(1)
+    _host_lost(ctrl, host, since)
+    wait_until(lambda: not any(pid_alive(p) for p in orphans), 10, message="the killed loop's agent and procs gone")
+    cluster.start_worker_again(1)
+    _wait_host(host, ProcState.HEALTHY, 60)
+    for rank in (2, 3):
+        procs.restart(rank, timeout_s=60)
+    assert actors.add.call(1).get(timeout=30).values() == [1, 1, 1, 1]
+
+
 def test_a_cut_link_is_a_lost_host_and_its_return_is_no_split_brain(cluster, mesh):
     hosts, procs = mesh
     actors = procs.spawn("cut", Where)

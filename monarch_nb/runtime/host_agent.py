@@ -385,8 +385,8 @@ class HostAgent:
         self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped})
 
     def _check_parent(self) -> None:
-        """Exit (taking the procs along) when the controller is gone: the parent pid of a local
-        agent, the controller's heartbeats for a remote one."""
+        """Exit (taking the procs along) when the parent is gone (the controller of a local agent,
+        the worker loop of a remote one) or a remote agent's controller is silent."""
         if self._terminate or (self.env.controller_pid and os.getppid() != self.env.controller_pid):
             self.shutdown()
         if self.env.controller_timeout_s and time.monotonic() - self.controller_seen > self.env.controller_timeout_s:

@@ -89,7 +89,8 @@ class Hosts:
             known = sorted(self.records) or ["none"]
             raise ValueError(f"unknown host {host!r}; hosts: {', '.join(known)} (attach more with attach_to_workers)")
         if record.state != ProcState.HEALTHY:
-            raise AttachError(f"host {host} is {record.state} (lost); it is being attached again, retry in a few seconds")
+            raise AttachError(f"host {host} is lost (no heartbeat from its agent); it is attached again as soon as its "
+                              "worker answers: retry then (the host_returned event)")
         return record
 
     def _local_agent(self) -> HostRecord:

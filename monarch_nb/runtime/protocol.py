@@ -396,7 +396,8 @@ class AgentEnv:
     Attributes:
         controller: the controller's address.
         key_hex: the cluster key (popped when read).
-        controller_pid: the agent exits when its parent is no longer this pid (0: no check).
+        controller_pid: the agent exits when its parent is no longer this pid: the controller of a
+            local agent, the worker loop that started a remote one (0: no check).
         run_id: the run's id for same-host shared-memory buffers ("" when none).
         orphan_check_s: how often the agent checks its parent, seconds.
         heartbeat_interval_s: seconds between the agent's heartbeats.

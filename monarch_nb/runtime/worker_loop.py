@@ -177,7 +177,9 @@ class WorkerLoop:
             controller_ip = _host_of(str(header["controller"]))
             local_ip, iface = interface_for(controller_ip)
             env = AgentEnv(
-                controller=str(header["controller"]), key_hex=session_key.hex(), controller_pid=0, run_id="",
+                # the agent exits (its procs with it) when this worker loop dies: a loop started again
+                # never shares the host with the old loop's procs
+                controller=str(header["controller"]), key_hex=session_key.hex(), controller_pid=os.getpid(), run_id="",
                 orphan_check_s=float(header.get("heartbeat_interval_s", 0.25)),
                 heartbeat_interval_s=float(header.get("heartbeat_interval_s", 0.25)),
                 controller_timeout_s=float(header.get("controller_timeout_s", 5.0)),

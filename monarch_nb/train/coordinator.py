@@ -135,7 +135,8 @@ class Coordinator(Launch, Boundaries):
                 # replica is checked and every latency measured
                 if rejoin_deadline is None:
                     rejoin_deadline = time.monotonic() + o.restart_timeout_s
-                    self.run.phase("finishing")
+                    waiting = sorted(set(self.m.restarting) | set(self.m.ready))
+                    self.run.phase("finishing", waiting_for=waiting, up_to_s=o.restart_timeout_s)
                     if self.chaos is not None:
                         self.chaos.stop()
                 if not (self.m.restarting or self.m.ready) or time.monotonic() > rejoin_deadline:

@@ -91,6 +91,11 @@ def _progress(run: Any):
             bar.write("  " + describe_recovery(item))
         elif kind == "phase" and not state["started"]:
             bar.set_description(item["phase"])
+        elif kind == "phase" and item["phase"] == "finishing" and item.get("waiting_for"):
+            bar.set_description("finishing")
+            ranks = ", ".join(map(str, item["waiting_for"]))
+            bar.write(f"  every step is committed; waiting (at most {item['up_to_s']:.0f} s) for rank(s) {ranks} to "
+                      "rejoin, so that every replica is compared at the end")
 
     run.subscribe(on_item)
     controller = Controller.get()

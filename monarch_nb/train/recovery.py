@@ -68,7 +68,7 @@ def own_failure(exc: BaseException) -> bool:
 
 def kind_of(exc: BaseException | None) -> str:
     if isinstance(exc, SupervisionError):
-        return "crash"
+        return "host_lost" if getattr(exc, "cause", "") == "host_lost" else "crash"
     if isinstance(exc, ActorError):
         return "error"
     if isinstance(exc, TimeoutError):
@@ -303,7 +303,7 @@ class Membership:
                 return
             except AttachError as exc:
                 if last is None or not isinstance(last, AttachError):
-                    log.warning("rank %d waits for its host to come back: %s", rank, exc)
+                    log.warning("rank %d waits for its host to be attached again before it restarts (%s)", rank, exc)
                 last = exc
                 self._wait_for_host(rank)
                 continue

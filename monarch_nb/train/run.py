@@ -165,11 +165,13 @@ class TrainingRun:
             except Exception:
                 log.exception("training subscriber %r failed", fn)
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str, **detail: Any) -> None:
+        """Enter phase ``name``; subscribers get ``{"type": "phase", "phase", "step", "time_s", **detail}``."""
         if name == self.phase_name:
             return
         self.phase_name = name
-        self.emit({"type": "phase", "phase": name, "step": self.step, "time_s": round(time.monotonic() - self._t0, 4)})
+        self.emit({"type": "phase", "phase": name, "step": self.step, "time_s": round(time.monotonic() - self._t0, 4),
+                   **detail})
 
     def recovery(self, event: str, rec: FailureRecord, at: float) -> None:
         item = {"type": "recovery", "event": event, "kind": rec.kind, "rank": rec.rank, "step": self.step,
