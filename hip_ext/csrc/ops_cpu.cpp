@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dtype_code.h"
 #include "elements.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
@@ -110,22 +111,6 @@ Health health_of(const Piece& p) {
       return health_f64(static_cast<const uint64_t*>(p.data), p.numel);
     default:
       return health_16(static_cast<const uint16_t*>(p.data), p.numel, p.dtype == MNB_BF16);
-  }
-}
-
-int dtype_code(const at::Tensor& t, size_t index) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return MNB_F32;
-    case at::kHalf:
-      return MNB_F16;
-    case at::kBFloat16:
-      return MNB_BF16;
-    case at::kDouble:
-      return MNB_F64;
-    default:
-      TORCH_CHECK(false, "grad_health expects float32, float16, bfloat16 or float64 tensors; tensor ", index, " is ",
-                  t.scalar_type());
   }
 }
 

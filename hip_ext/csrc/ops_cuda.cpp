@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dtype_code.h"
 #include "elements.h"
 #include "launch.h"
 
@@ -22,24 +23,8 @@ namespace {
 
 constexpr int kBlocksPerSm = 2048 / MNB_BLOCK_THREADS;  // enough resident threads to keep loads in flight
 
-int dtype_code(const at::Tensor& t, size_t index) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return MNB_F32;
-    case at::kHalf:
-      return MNB_F16;
-    case at::kBFloat16:
-      return MNB_BF16;
-    case at::kDouble:
-      return MNB_F64;
-    default:
-      TORCH_CHECK(false, "grad_health expects float32, float16, bfloat16 or float64 tensors; tensor ", index, " is ",
-                  t.scalar_type());
-  }
-}
-
 int warp_size(const c10::Device& device) {
-  const int lanes = warp_size(device);
+  const int lanes = mnb_device_warp_size(device.index());
   TORCH_CHECK(lanes > 0, "could not read the warp size of ", device);
   return lanes;
 }
