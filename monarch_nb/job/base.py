@@ -9,15 +9,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
+import subprocess
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 from ..actor import backend
 from ..actor.attach import attach_to_workers
 from ..actor.mesh import HostMesh
 
-__all__ = ["Job", "JobState", "job_load", "DEFAULT_STATE_PATH", "read_announcement"]
+__all__ = ["Job", "JobState", "job_load", "DEFAULT_STATE_PATH", "read_announcement", "worker_argv", "start_announced",
+           "pid_alive"]
 
 log = logging.getLogger(__name__)
 
@@ -197,3 +200,73 @@ def read_announcement(line: str) -> dict:
     if not isinstance(data, dict) or "address" not in data:
         raise ValueError(f"a worker did not start: {line.strip()}")
     return data
+
+
+def worker_argv(python: str, address: str, name: str, ca: str | None) -> list[str]:
+    """The command line of a worker loop (``monarch-nb worker``) listening on ``address`` as host
+    ``name``, trusting ``ca`` (a key folder: CurveZMQ; a key file: HMAC only; None: loopback)."""
+    argv = [python, "-m", "monarch_nb.cli", "worker", "--address", address, "--name", name]
+    if ca:
+        argv += ["--curve-keys" if os.path.isdir(ca) else "--key-file", ca]
+    return argv
+
+
+def start_announced(starters: list[Callable[[], subprocess.Popen]], deadline: float) -> tuple[list[subprocess.Popen], list[dict]]:
+    """Start worker loops and read each one's announcement (its first stdout line).
+
+    Args:
+        starters: each starts one worker process with ``stdout=PIPE, text=True`` (directly, or
+            through ssh) and returns it.
+        deadline: ``time.monotonic()`` by which every worker must have announced itself.
+
+    Returns:
+        The processes and their announcements (``{"worker", "address", "pid", ...}``), in order.
+        Their stdout is closed: a worker prints nothing else there.
+
+    Raises:
+        TimeoutError: a worker did not announce itself in time.
+        ValueError: a worker failed to start (the message is what it printed).
+        Either way, every worker started is killed first.
+    """
+    started: list[subprocess.Popen] = []
+    try:
+        for start in starters:
+            started.append(start())
+        announced = [read_announcement(first_line(p, deadline)) for p in started]
+    except BaseException:
+        for p in started:
+            p.kill()
+        raise
+    finally:
+        for p in started:
+            if p.stdout is not None:
+                p.stdout.close()
+    return started, announced
+
+
+def first_line(popen: subprocess.Popen, deadline: float) -> str:
+    """The first line ``popen`` writes to its stdout (what it wrote, if it exits first).
+
+    Raises:
+        TimeoutError: nothing by ``deadline`` (``time.monotonic()``).
+    """
+    sel = selectors.DefaultSelector()
+    sel.register(popen.stdout, selectors.EVENT_READ)
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(0.1):
+                return popen.stdout.readline()
+            if popen.poll() is not None:
+                return popen.stdout.read() or f"(exited with {popen.returncode})"
+    finally:
+        sel.close()
+    raise TimeoutError("a worker did not announce itself in time")
+
+
+def pid_alive(pid: int) -> bool:
+    """``pid`` exists on this machine and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -8,8 +8,7 @@ import signal
 import subprocess
 import time
 
-from .base import Job, read_announcement
-from .local import _first_line, _pid_alive
+from .base import Job, pid_alive, start_announced, worker_argv
 
 __all__ = ["SSHJob"]
 
@@ -50,29 +49,17 @@ class SSHJob(Job):
         return subprocess.Popen(["ssh", *self.ssh_args, "-n", host, command], stdin=subprocess.DEVNULL, **kwargs)
 
     def _start(self) -> dict:
-        deadline = time.monotonic() + self.start_timeout_s
-        started = []
-        try:
-            for host in self.hosts:
-                argv = [self.python, "-m", "monarch_nb.cli", "worker", "--address", f"tcp://{host}:{self.port}", "--name", host]
-                if self.ca:
-                    argv += ["--curve-keys" if os.path.isdir(self.ca) else "--key-file", self.ca]
-                started.append(self._ssh(host, "exec " + shlex.join(argv), stdout=subprocess.PIPE, text=True,
-                                         start_new_session=True))
-            announced = [read_announcement(_first_line(p, deadline)) for p in started]
-        except BaseException:
-            for p in started:
-                p.kill()
-            raise
-        finally:
-            for p in started:
-                if p.stdout is not None:
-                    p.stdout.close()
+        started, announced = start_announced(
+            [lambda host=host: self._ssh(host, "exec " + shlex.join(worker_argv(self.python, f"tcp://{host}:{self.port}",
+                                                                                host, self.ca)),
+                                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+             for host in self.hosts],
+            time.monotonic() + self.start_timeout_s)
         return {"workers": {self.mesh: [a["address"] for a in announced]}, "ssh_pids": [p.pid for p in started],
                 "remote_pids": [a["pid"] for a in announced]}
 
     def _alive(self, running: dict) -> bool:
-        return all(_pid_alive(pid) for pid in running["ssh_pids"])
+        return all(pid_alive(pid) for pid in running["ssh_pids"])
 
     def _workers(self, running: dict, deadline: float) -> dict[str, list[str]]:
         return running["workers"]
@@ -87,7 +74,7 @@ class SSHJob(Job):
                 p.kill()
         for pid in running["ssh_pids"]:
             deadline = time.monotonic() + 10
-            while _pid_alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
