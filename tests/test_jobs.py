@@ -8,10 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
+from monarch_nb.config import config
 from monarch_nb.job import LocalJob, SlurmJob, SSHJob, job_load
+from monarch_nb.runtime.hosts import AttachError
 from monarch_nb.transport.keys import create_keys
 
 from .actors import Counter
@@ -145,3 +149,118 @@ def test_bad_job_specs_are_clear_errors():
         LocalJob({"my trainers": 1})
     with pytest.raises(ValueError, match="non-empty list"):
         SSHJob("gpu1")
+
+
+def _controller_process(state_file: str) -> tuple[subprocess.Popen, dict]:
+    """A controller of its own (a kernel) that applied a LocalJob of 2 hosts and uses them."""
+    env = dict(os.environ, MONARCH_NB_HANG_TIMEOUT_S="1.0", MONARCH_NB_HEARTBEAT_INTERVAL_S="0.1")
+    popen = subprocess.Popen([sys.executable, "-m", "tests.job_controller", state_file], cwd=REPO, env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = popen.stdout.readline()
+    assert line, f"the controller process failed (exit {popen.wait()})"
+    return popen, json.loads(line)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.6, 1.5])
+def test_a_restarted_kernel_reattaches_its_job_at_any_moment_after_the_old_one_died(tmp_path, no_leaked_processes,
+                                                                                       delay_s):
+    """The kernel that applied the job is SIGKILLed; a new one calls job.state() ``delay_s`` later,
+    before, around and after the hang timeout in which the old agents could still count on their
+    controller: it attaches the same workers, and the dead controller's agents and procs are
+    fenced (gone), never left serving beside the new ones."""
+    state_file = str(tmp_path / "job_state.json")
+    old, used = _controller_process(state_file)
+    assert used["values"] == [2, 2]
+    job = job_load(state_file)
+    try:
+        os.kill(old.pid, 9)
+        old.wait()
+        time.sleep(delay_s)
+        again = LocalJob({"trainers": 2})
+        state = again.state(cached_path=state_file)
+        assert again.running["pids"] == job.running["pids"]  # the same workers, not a new allocation
+        assert _use(state.trainers) == [2, 2]
+        assert not any(pid_alive(p) for p in used["agents"] + used["procs"])
+    finally:
+        job.kill(cached_path=state_file)
+
+
+def test_a_live_controller_keeps_its_hosts(tmp_path, no_leaked_processes):
+    """Another controller asking for the hosts of a live one is refused, saying whose they are, and
+    the live controller's procs serve on untouched."""
+    state_file = str(tmp_path / "job_state.json")
+    owner, used = _controller_process(state_file)
+    job = job_load(state_file)
+    try:
+        with pytest.raises(AttachError, match=r"attached to another controller \(run \w+ \(pid \d+ on .*heard from"):
+            LocalJob({"trainers": 2}).state(cached_path=state_file)
+        assert all(pid_alive(p) for p in used["agents"] + used["procs"])
+        owner.stdin.close()  # the owner exits normally: its hosts wait for the next controller
+        owner.wait(30)
+        assert _use(LocalJob({"trainers": 2}).state(cached_path=state_file).trainers) == [2, 2]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        job.kill(cached_path=state_file)
+
+
+def test_one_worker_under_two_spellings_is_one_host(tmp_path, no_leaked_processes):
+    """``tcp://localhost:P`` after ``tcp://127.0.0.1:P`` is the same host: attaching it again
+    returns it, the first attach's procs keep serving (no stealing back and forth), and naming it
+    twice in one mesh is refused."""
+    from monarch_nb import attach_to_workers
+    from monarch_nb.runtime.controller import Controller
+
+    job = LocalJob({"trainers": 1})
+    try:
+        first = job.state(cached_path=None).trainers
+        address = job.running["workers"]["trainers"][0]
+        assert address.startswith("tcp://127.0.0.1:")
+        procs = first.spawn_procs(per_host={"gpus": 1})
+        counter = procs.spawn("c", Counter, 0)
+        ctrl = Controller.get()
+        agent, proc = ctrl.hosts[first.host_names[0]].pid, ctrl.proc_record(procs.name, 0).pid
+        second = attach_to_workers([address.replace("127.0.0.1", "localhost")])
+        assert second.host_names == first.host_names
+        with pytest.raises(ValueError, match="the same worker"):
+            attach_to_workers([address, address.replace("127.0.0.1", "localhost")])
+        deadline = time.monotonic() + 3 * config.hang_timeout_s  # stealing showed within a couple of seconds
+        while time.monotonic() < deadline:
+            assert counter.incr.call_one().get(timeout=10) >= 1
+            time.sleep(0.1)
+        assert ctrl.hosts[first.host_names[0]].pid == agent and ctrl.proc_record(procs.name, 0).pid == proc
+        procs.stop()
+    finally:
+        job.kill(cached_path=None)
+
+
+def test_a_worker_logs_who_attaches_and_when_they_leave(no_leaked_processes):
+    """An operator reading a worker's log sees each controller that attached (run, pid, machine,
+    host name) and when and why it left."""
+    from monarch_nb import attach_to_workers
+    from monarch_nb.runtime.controller import Controller
+
+    worker = subprocess.Popen([sys.executable, "-m", "monarch_nb.cli", "worker", "--address", "tcp://127.0.0.1:0"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL)
+    try:
+        address = json.loads(worker.stdout.readline())["address"]
+        hosts = attach_to_workers([address])
+        ctrl = Controller.get()
+        Controller.get().detach_hosts(hosts.host_names)
+        agent = ctrl.hosts.get(hosts.host_names[0])
+        assert agent is None  # forgotten here; the worker says the controller left
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(worker.stderr.readline, "")), daemon=True)
+        reader.start()
+        wait_until(lambda: any("the controller stopped using this host" in line for line in lines), 15,
+                   message="the departure logged")
+        attached = next(line for line in lines if "attached to the controller of run" in line)
+        assert f"run {ctrl.run_id} (pid {os.getpid()} on " in attached and f"as host {hosts.host_names[0]}" in attached
+        left = next(line for line in lines if "left after" in line)
+        assert f"run {ctrl.run_id}" in left and "waiting for a controller" in left
+        assert all(line[:4].isdigit() and line[4] == "-" for line in (attached, left))  # timestamped
+    finally:
+        worker.terminate()
+        worker.wait(10)

@@ -4,6 +4,7 @@ link cuts, and the rules of who may attach."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -138,6 +139,43 @@ def test_a_killed_worker_loop_takes_its_agent_and_procs_along_and_comes_back(clu
     for rank in (2, 3):
         procs.restart(rank, timeout_s=60)
     assert actors.add.call(1).get(timeout=30).values() == [1, 1, 1, 1]
+
+
+def test_a_new_mesh_right_after_a_worker_loop_restart_serves_on_every_host(cluster, mesh):
+    """Host 1's worker loop is SIGKILLed and started again; a new proc mesh on the same host mesh,
+    spawned at moments before, during and after the controller learns of the loss (the first ones
+    reach the dying agent), serves on every rank once the host is back: procs of a host lost while
+    they start are started again there. The old mesh's ranks fail as ``host_lost``, the cause
+    README names, not as the SIGKILL their dying agent dealt them."""
+    hosts, procs = mesh
+    actors = procs.spawn("before_restart", Where)
+    ctrl = Controller.get()
+    host = hosts.host_names[1]
+    for delay_s in (0.0, 0.05, 0.3):
+        since = ctrl.events.next_seq
+        spawned: list = []
+        cluster.kill_worker(1)
+        time.sleep(delay_s)
+        spawner = threading.Thread(target=lambda: spawned.append(hosts.spawn_procs(per_host={"gpus": 1})))
+        spawner.start()
+        cluster.start_worker_again(1)
+        spawner.join(60)
+        assert spawned, "spawn_procs did not return within 60 s"
+        fresh = spawned[0]
+        try:
+            info = fresh.spawn("fresh", Where).where.call().get(timeout=30)
+            assert sorted(v["group_rank"] for v in info.values()) == [0, 1]
+            assert {v["pid"] for v in info.values() if v["group_rank"] == 1} <= set(cluster.pids_in(1))
+        finally:
+            fresh.stop()
+        _host_lost(ctrl, host, since)
+        lost = [e for e in ctrl.events.events() if e.seq >= since and e.kind == "proc_exited" and e.mesh == procs.name]
+        assert lost and all(e.cause == "host_lost" for e in lost), [(e.rank, e.cause) for e in lost]
+        with pytest.raises(SupervisionError, match=r"rank 2 failed \(host_lost\)"):
+            actors.slice(hosts=1, gpus=0).add.call_one(1).get(timeout=10)
+        _wait_host(host, ProcState.HEALTHY, 60)
+        for rank in (2, 3):
+            procs.restart(rank, timeout_s=60)
 
 
 def test_a_cut_link_is_a_lost_host_and_its_return_is_no_split_brain(cluster, mesh):

@@ -123,6 +123,7 @@ class Controller:
             Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
             Kind.AGENT_HELLO: self._on_agent_hello,
             Kind.AGENT_HEARTBEAT: self._on_agent_heartbeat,
+            Kind.AGENT_EXITING: lambda header, body, buffers: self._hosts.on_agent_exiting(header),
             Kind.SPARES: self._on_spares,
             Kind.PORT: self.messenger.on_port,
         }
@@ -166,7 +167,12 @@ class Controller:
         return self._hosts.attach(list(workers), ca)
 
     def detach_hosts(self, names: list[str]) -> None:
-        """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`)."""
+        """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`).
+        Proc meshes with procs on them are stopped first: their end is the job's, not a failure."""
+        gone = set(names)
+        for mesh, record in list(self.meshes.items()):
+            if not record.stopped and any(self.procs[i].host in gone for i in record.procs if i in self.procs):
+                self.stop_procs(mesh)
         self._hosts.detach(list(names))
 
     def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,

@@ -23,7 +23,11 @@ Rules it keeps:
   a time (lock files in the agent's folder), so 64 procs on 2 cores do not thrash for minutes.
 
 It exits, taking its procs with it (they have PR_SET_PDEATHSIG), when its controller goes away:
-checked every ``orphan_check_s`` through the parent pid.
+checked every ``orphan_check_s`` through the parent pid (and, for a remote agent, the
+controller's silence). Its exit status says why (:class:`~.protocol.AgentExit`); when it exits
+on its own it first tells the controller (``agent_exiting``), so the host is lost at once, with
+that reason, instead of after the hang timeout. A remote agent keeps ``status_path``'s
+modification time at the moment it last heard its controller, for its worker loop.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from ..transport.channel import Channel
 from ..transport.keys import load_trust
 from ..transport.wire import Signer
 from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
-from .protocol import CONTROLLER, AgentEnv, Kind, ProcEnv
+from .protocol import CONTROLLER, AgentEnv, AgentExit, Kind, ProcEnv
 
 log = logging.getLogger("monarch_nb.host_agent")
 
@@ -79,7 +83,7 @@ class SparePool:
     mesh: str
     count: int
     preload: list
-    base_env: dict
+    base_env: dict | None  # the controller's environment (this machine), or None: the agent's own
     proc_env: dict  # ProcEnv fields shared by the mesh's procs (controller, run_id, extent, ...)
     cwd: str | None
     quick_deaths: int = 0
@@ -92,6 +96,7 @@ class HostAgent:
         key = bytes.fromhex(env.key_hex)
         self.trust = load_trust(env.curve_dir).with_key(key) if env.curve_dir else None
         self._terminate = False
+        self._published_seen = 0.0
         self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
         self.inventory = device.detect_gpus()
         self.controller_seen = time.monotonic()
@@ -99,7 +104,7 @@ class HostAgent:
             Kind.SPAWN_PROCS: lambda header, body: [self._spawn(spec) for spec in json.loads(bytes(body))],
             Kind.SIGNAL: lambda header, body: self._signal(header["proc"], header["signal"]),
             Kind.KEEP_SPARES: lambda header, body: self._keep_spares(json.loads(bytes(body))),
-            Kind.SHUTDOWN: lambda header, body: self.shutdown(),
+            Kind.SHUTDOWN: lambda header, body: self.shutdown(AgentExit.SHUTDOWN),
             Kind.CONTROLLER_HEARTBEAT: lambda header, body: None,  # any message counts (see _on_message)
         }
         self.children: dict[int, ChildProc] = {}  # pid -> child
@@ -226,7 +231,7 @@ class HostAgent:
             return
         while len(self._spares(mesh)) < pool.count and pool.quick_deaths < SPARE_MAX_QUICK_DEATHS:
             proc_env = self._host_env(ProcEnv.from_json({**pool.proc_env, "rank": -1}))
-            env = dict(pool.base_env)
+            env = dict(pool.base_env) if pool.base_env is not None else dict(os.environ)
             env.update(proc_env.to_env())
             env["PYTHONUNBUFFERED"] = "1"
             ready_r, ready_w = os.pipe()
@@ -383,18 +388,36 @@ class HostAgent:
             elif state == "R":
                 runnable += 1
         self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped})
+        self._publish_seen()
+
+    def _publish_seen(self) -> None:
+        """Set ``status_path``'s modification time to the wall-clock time the controller was last heard."""
+        if not self.env.status_path or self.controller_seen == self._published_seen:
+            return
+        self._published_seen = self.controller_seen
+        wall = time.time() - (time.monotonic() - self.controller_seen)
+        try:
+            os.utime(self.env.status_path, (wall, wall))
+        except OSError:  # the worker loop removed it: it no longer asks
+            pass
 
     def _check_parent(self) -> None:
-        """Exit (taking the procs along) when the parent is gone (the controller of a local agent,
-        the worker loop of a remote one) or a remote agent's controller is silent."""
-        if self._terminate or (self.env.controller_pid and os.getppid() != self.env.controller_pid):
-            self.shutdown()
-        if self.env.controller_timeout_s and time.monotonic() - self.controller_seen > self.env.controller_timeout_s:
-            log.warning("controller %s silent for %.1f s: killing this host's procs", self.env.controller,
-                        time.monotonic() - self.controller_seen)
-            self.shutdown()
+        """Exit (taking the procs along) when told to, when the parent is gone (the controller of a
+        local agent, the worker loop of a remote one) or when a remote agent's controller is silent."""
+        if self._terminate:
+            self.shutdown(AgentExit.SHUTDOWN)
+        if self.env.controller_pid and os.getppid() != self.env.controller_pid:
+            parent = "worker loop" if self.env.controller_timeout_s else "controller"
+            self.shutdown(AgentExit.PARENT_GONE, f"the {parent} of host {self.name} exited")
+        silent = time.monotonic() - self.controller_seen
+        if self.env.controller_timeout_s and silent > self.env.controller_timeout_s:
+            log.warning("controller %s silent for %.1f s: killing this host's procs", self.env.controller, silent)
+            self.shutdown(AgentExit.CONTROLLER_SILENT, f"the controller was silent for {silent:.1f} s")
 
-    def shutdown(self) -> None:
+    def shutdown(self, code: AgentExit = AgentExit.SHUTDOWN, why: str = "") -> None:
+        """Kill every proc and exit with ``code``; first tell the controller ``why`` unless it asked."""
+        if code != AgentExit.SHUTDOWN:  # the host is lost now, for this reason (its procs' exits follow)
+            self.channel.send(CONTROLLER, {"kind": Kind.AGENT_EXITING, "why": why or code.why})
         self.pools.clear()
         for pid in list(self.children):
             try:
@@ -409,7 +432,7 @@ class HostAgent:
         if self.env.run_id:  # files of messages that were never received (their receiver died)
             shm.remove_orphans(self.env.run_id)
         shutil.rmtree(self.folder, ignore_errors=True)
-        os._exit(0)
+        os._exit(int(code))
 
     def main(self) -> None:
         signal.set_wakeup_fd(self._sigchld_w, warn_on_full_buffer=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from ..transport.keys import Trust, load_trust, seal
 from ..transport.wire import BadMessage, Signer, decode, encode, route_id
 from .launch import LocalAgent
 from .protocol import CONTROLLER, AgentEnv, Kind
-from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback
+from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback, machine_id
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -52,6 +53,27 @@ _LOCAL_NAMES = ("localhost", "127.0.0.1", LOCAL)
 
 class AttachError(MonarchError, ConnectionError):
     """A worker could not be attached (unreachable, refused, wrong key)."""
+
+
+class _AlreadyAttached(AttachError):
+    """The worker already serves this controller as host ``host`` (another spelling of its address)."""
+
+    def __init__(self, address: str, host: str):
+        super().__init__(f"worker {address} is already attached as host {host}")
+        self.host = host
+
+
+def _address_key(address: str) -> tuple[frozenset, str]:
+    """``(IP addresses, port)`` of ``tcp://HOST:PORT``: two spellings of one worker compare equal
+    (``localhost`` and ``127.0.0.1``, a hostname and its address)."""
+    hostport = address[len("tcp://"):] if address.startswith("tcp://") else address
+    host, _, port = hostport.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ips = frozenset(info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except OSError:
+        ips = frozenset()
+    return ips or frozenset({host}), port
 
 
 def controller_timeout_s() -> float:
@@ -101,7 +123,8 @@ class Hosts:
                 env = AgentEnv(ctrl.address, ctrl.signer.key.hex(), os.getpid(), ctrl.channel.shm_run_id or "",
                                config.orphan_check_s, config.heartbeat_interval_s)
                 self._local = LocalAgent(LOCAL, env)
-                record = self.records[LOCAL] = HostRecord(LOCAL, pid=self._local.pid)
+                record = self.records[LOCAL] = HostRecord(LOCAL, pid=self._local.pid, detail={
+                    "machine": machine_id(), "cores": len(os.sched_getaffinity(0))})
         if not record.ready.wait(config.start_timeout_s):
             raise RuntimeError(f"host agent {LOCAL} did not connect within {config.start_timeout_s} s")
         return record
@@ -127,30 +150,49 @@ class Hosts:
             ValueError: a malformed address, or a non-loopback worker without ``ca``.
         """
         trust = load_trust(ca) if ca is not None else None
-        names = []
+        names: list[str] = []
         for address in workers:
-            if trust is None and not is_loopback(address):
-                raise ValueError(f"worker {address} is not on this machine: pass ca= (the cluster's key file or folder)")
-            wanted = trust or Trust(LOOPBACK_KEY, source="loopback")
-            with self._lock:  # the same worker with the same keys is the same host
-                known = next((n for n, link in self._links.items()
-                              if link["address"] == address and link["trust"].hmac_key == wanted.hmac_key), None)
-                record = self.records.get(known) if known is not None else None
-                if record is not None and record.state == ProcState.HEALTHY:
-                    names.append(known)  # already attached and serving: attaching again changes nothing
-                    continue
-                name = known or f"host{self._next}"
-                if known is None:
-                    self._next += 1
-            try:
-                self._attach_one(name, address, wanted)
-            except BaseException:
-                with self._lock:  # a host that never served leaves no record behind
-                    if name not in self._links and self.records.get(name) is not None:
-                        del self.records[name]
-                raise
-            names.append(name)
+            before = len(names)
+            self._attach_address(address, trust, names)
+            if names[before:] and names[-1] in names[:before]:
+                earlier = workers[names.index(names[-1])]
+                raise ValueError(f"{earlier} and {address} are the same worker (host {names[-1]}); name each host once")
         return names
+
+    def _attach_address(self, address: str, trust: Trust | None, names: list[str]) -> None:
+        """Attach one worker and append its host name to ``names`` (see :meth:`attach`)."""
+        if trust is None and not is_loopback(address):
+            raise ValueError(f"worker {address} is not on this machine: pass ca= (the cluster's key file or folder)")
+        wanted = trust or Trust(LOOPBACK_KEY, source="loopback")
+        key = _address_key(address)
+        with self._lock:  # the same worker with the same keys is the same host, however it is spelled
+            known = next((n for n, link in self._links.items()
+                          if _same_worker(link["key"], key) and link["trust"].hmac_key == wanted.hmac_key), None)
+            record = self.records.get(known) if known is not None else None
+            if record is not None and record.state == ProcState.HEALTHY:
+                names.append(known)  # already attached and serving: attaching again changes nothing
+                return
+            name = known or f"host{self._next}"
+            if known is None:
+                self._next += 1
+        try:
+            self._attach_one(name, address, wanted)
+        except _AlreadyAttached as exc:  # the worker says so: it is that host, under another spelling
+            with self._lock:
+                if name not in self._links and self.records.get(name) is not None:
+                    del self.records[name]
+                other = self.records.get(exc.host)
+            if other is None or not other.ready.wait(config.start_timeout_s):
+                raise AttachError(f"worker {address} serves this controller as host {exc.host}, which is not "
+                                  "serving now") from None
+            names.append(exc.host)
+            return
+        except BaseException:
+            with self._lock:  # a host that never served leaves no record behind
+                if name not in self._links and self.records.get(name) is not None:
+                    del self.records[name]
+            raise
+        names.append(name)
 
     def _endpoint_for(self, ip: str, trust: Trust) -> str:
         key = (ip, trust.curve_public)  # one endpoint per cluster: its CurveZMQ keys (or plain)
@@ -169,25 +211,35 @@ class Hosts:
         nonce, sealed = seal(trust.hmac_key, ctrl.signer.key)
         header = {"kind": Kind.ATTACH, "src": CONTROLLER, "dst": name, "seq": 1, "controller": endpoint,
                   "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
-                  "heartbeat_interval_s": config.heartbeat_interval_s, "controller_timeout_s": controller_timeout_s()}
+                  "heartbeat_interval_s": config.heartbeat_interval_s, "hang_timeout_s": config.hang_timeout_s,
+                  "controller_timeout_s": controller_timeout_s(), "controller_host": socket.gethostname(),
+                  "controller_pid": os.getpid()}
         with self._lock:
             record = self.records.get(name)
             if record is None:
                 record = self.records[name] = HostRecord(name, address=address)
             record.ready.clear()  # a lost host keeps its state (failed) until its new agent says hello
         # the worker answers at once if it hears us: a long silence means other keys or no worker
+        # the worker answers at once if it hears us, or within its current controller's hang
+        # timeout if another controller holds it (it waits to tell a dead one from a live one)
         reply = _request(address, trust, encode(Signer(trust.hmac_key), header), min(timeout_s, ATTACH_REPLY_S))
         if not reply.get("ok"):
+            if reply.get("attached_as"):
+                raise _AlreadyAttached(address, str(reply["attached_as"]))
             raise AttachError(f"worker {address} refused to attach: {reply.get('error')}")
         with self._lock:
-            self._links[name] = {"address": address, "trust": trust, "info": reply, "endpoint": endpoint,
-                                 "controller_ip": controller_ip}
+            self._links[name] = {"address": address, "key": _address_key(address), "trust": trust, "info": reply,
+                                 "endpoint": endpoint, "controller_ip": controller_ip}
             record.pid = int(reply.get("pid", 0))
-            record.detail = {k: reply.get(k) for k in ("hostname", "ip", "iface", "cores", "gpus")}
+            record.detail = {k: reply.get(k) for k in ("hostname", "ip", "iface", "cores", "gpus", "machine")}
         if not record.ready.wait(timeout_s):
             raise AttachError(f"the host agent of {address} did not connect back to {endpoint} within {timeout_s} s "
                               "(can the host reach this address? a firewall?)")
         return record
+
+    def reattaching(self, host: str) -> bool:
+        """``host`` is lost and the controller is attaching it again (its worker may answer soon)."""
+        return host in self._reattaching
 
     def detach(self, names: list[str]) -> None:
         """Forget the attached hosts ``names`` (their job ended): tell their agents to stop, try no
@@ -211,6 +263,13 @@ class Hosts:
             record.state = ProcState.HEALTHY
             record.last_heartbeat = time.monotonic()
             record.ready.set()
+
+    def on_agent_exiting(self, header: dict) -> None:
+        """An agent exits on its own (its worker loop died, its controller went silent): the host is
+        lost now, for that reason, instead of after the hang timeout."""
+        record = self.records.get(route_id(header["src"]))
+        if record is not None and record.state == ProcState.HEALTHY and not self.ctrl.closed:
+            self._lose(record, str(header.get("why") or "its host agent exited"))
 
     def on_heartbeat(self, header: dict) -> HostRecord | None:
         record = self.records.get(route_id(header["src"]))
@@ -266,6 +325,9 @@ class Hosts:
                 link = self._links[name]
                 try:
                     self._attach_one(name, link["address"], link["trust"], timeout_s=max(2.0, config.hang_timeout_s))
+                except _AlreadyAttached as exc:  # attached meanwhile under another spelling: that host it is
+                    log.warning("not attaching %s again: its worker serves this controller as host %s", name, exc.host)
+                    return
                 except (AttachError, OSError, RuntimeError) as exc:
                     log.debug("attaching %s again failed: %s", name, exc)
                     time.sleep(1.0)
@@ -286,6 +348,10 @@ class Hosts:
             self._local.wait(3.0)
         for record in self.records.values():
             record.state = ProcState.STOPPED
+
+
+def _same_worker(a: tuple[frozenset, str], b: tuple[frozenset, str]) -> bool:
+    return a[1] == b[1] and bool(a[0] & b[0])
 
 
 def _request(address: str, trust: Trust, frames: list, timeout_s: float) -> dict:

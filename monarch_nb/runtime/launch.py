@@ -79,6 +79,7 @@ def proc_specs(
     heartbeat_interval_s: float,
     master: tuple[str, int],
     python: str = "",
+    threads: dict[str, int] | None = None,
 ) -> list[dict]:
     """The start specs of every proc of mesh ``mesh``, in rank order.
 
@@ -93,6 +94,9 @@ def proc_specs(
         master: (address, port) of the mesh's rendezvous store (``MASTER_ADDR``, ``MASTER_PORT``).
         python: the interpreter to start the procs with ("" for this one); their actors' own
             ``this_host().spawn_procs()`` use it too (``MONARCH_NB_PYTHON``).
+        threads: host -> CPU threads per proc (``MONARCH_NB_CPU_THREADS``, and ``OMP_NUM_THREADS``
+            unless the controller's environment sets it, as torchrun does): the cores of the
+            host's machine shared among this mesh's procs on it.
 
     Returns:
         One dict per proc: ``{"identity", "rank", "host", "env" (ProcEnv as JSON), "base_env"
@@ -121,7 +125,8 @@ def proc_specs(
             # torchrun's variables: env:// finds the controller's store, which every rank (rank 0
             # too) joins as a client, as under torchrun's agent
             extra={"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                   **({"MONARCH_NB_PYTHON": python} if python else {})},
+                   **({"MONARCH_NB_PYTHON": python} if python else {}),
+                   **_thread_env(threads.get(host) if threads else None)},
         )
         specs.append({
             "identity": proc_identity(mesh, point.rank),
@@ -135,8 +140,18 @@ def proc_specs(
     return specs
 
 
+def _thread_env(threads: int | None) -> dict[str, str]:
+    if threads is None:
+        return {}
+    env = {"MONARCH_NB_CPU_THREADS": str(threads)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def sweep_stale_run_dirs() -> int:
-    """Remove run folders of controllers that are gone (their pid is in the folder's name); return how many."""
+    """Remove run folders (and worker status files) of processes that are gone (their pid is in
+    the name); return how many."""
     removed = 0
     root = tempfile.gettempdir()
     for entry in os.listdir(root):
@@ -145,7 +160,14 @@ def sweep_stale_run_dirs() -> int:
         pid_text = entry[len(RUN_DIR_PREFIX):].split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_exists(int(pid_text)):
             continue
-        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        path = os.path.join(root, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # a worker loop's status file
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         removed += 1
     return removed
 

@@ -94,9 +94,10 @@ class Liveness:
         else:
             cause = f"exit {header['returncode']}"
         detail = header.get("detail") or (f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
+        starting = rec.state == ProcState.STARTING
         rec.state = ProcState.FAILED
         ctrl.record_event("proc_exited", rec, detail=detail, cause=cause)
-        self.fail_proc(rec, cause, detail, signame)
+        self.fail_proc(rec, cause, detail, signame, supervise=not starting)
 
     # -- timer (IO thread) ----------------------------------------------------------------------
     def allowance_s(self, rec: ProcRecord) -> float:
@@ -137,7 +138,7 @@ class Liveness:
         for rec in list(ctrl.procs.values()):
             if rec.host != host or rec.state in (ProcState.FAILED, ProcState.STOPPED):
                 continue
-            stopping = rec.state == ProcState.STOPPING
+            stopping, starting = rec.state == ProcState.STOPPING, rec.state == ProcState.STARTING
             rec.state = ProcState.STOPPED if stopping else ProcState.FAILED
             rec.exit_info = {"returncode": None, "signal": None, "host_lost": True}
             rec.busy, rec.paused = {}, []
@@ -145,19 +146,20 @@ class Liveness:
                 continue
             detail = f"host {host} lost: {why}"
             ctrl.record_event("proc_exited", rec, detail=detail, cause="host_lost")
-            self.fail_proc(rec, "host_lost", detail, None)
+            self.fail_proc(rec, "host_lost", detail, None, supervise=not starting)
             rec.ready.set()
 
     # -- failure and recovery -------------------------------------------------------------------
-    def fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:
-        """Fail the calls in flight to ``rec``, tell the other procs, hand it to the supervisor."""
+    def fail_proc(self, rec: ProcRecord, cause: str, detail: str, signame: str | None, *, supervise: bool = True) -> None:
+        """Fail the calls in flight to ``rec``, tell the other procs, hand it to the supervisor
+        (unless not ``supervise``: a proc that never served fails its ``spawn_procs``, which says so)."""
         ctrl = self.ctrl
         error = SupervisionError(rec.rank, cause, detail, signame)
         ctrl.messenger.proc_failed(rec.identity, error)
         note = json.dumps({"rank": rec.rank, "cause": cause, "detail": detail, "signal": signame}).encode()
         for other in self._peers(rec, include_starting=False):
             ctrl.channel.send(other.identity, {"kind": Kind.PROC_FAILED, "proc": rec.identity}, note)
-        ctrl.supervisor.on_failure(rec, cause, detail, signame)
+        ctrl.supervisor.on_failure(rec, cause, detail, signame, handle=supervise)
 
     def _peers(self, rec: ProcRecord, include_starting: bool) -> list[ProcRecord]:
         return [other for other in list(self.ctrl.procs.values())

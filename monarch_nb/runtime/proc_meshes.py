@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..actor.shape import Extent
 from ..config import config
 from ..errors import SupervisionError
+from .hosts import AttachError
 from ..supervision.policy import SupervisionPolicy
 from ..supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
 from .launch import proc_specs
@@ -60,12 +61,13 @@ class ProcMeshes:
                     name = f"pm{next(self._ids)}"
             elif not name.isidentifier() or name in ctrl.meshes:
                 raise ValueError(f"proc mesh name {name!r} must be a new identifier")
-        names = [ctrl._hosts.resolve(h).name for h in hosts]
+        names = [self._serving_host(h) for h in hosts]
         placements = {h: ctrl._hosts.placement(h) for h in set(names)}
         remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
         store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
         specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
-                           master=(store.host, store.port), python=python)
+                           master=(store.host, store.port), python=python,
+                           threads=self._cpu_threads(names, extent.nelements // max(1, len(names))))
         cores = _cores()
         local = sum(1 for s in specs if ctrl._hosts.is_local(s["host"]))
         if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
@@ -80,18 +82,91 @@ class ProcMeshes:
         for host in dict.fromkeys(names):
             batch = [s for s in specs if s["host"] == host]
             ctrl.channel.send(host, {"kind": Kind.SPAWN_PROCS}, json.dumps(batch).encode())
+        self._wait_serving(name, records)
+        if spares:
+            for host in dict.fromkeys(names):
+                self._keep_spares(host, name, next(s for s in specs if s["host"] == host), spares, preload)
+        return name
+
+    def _serving_host(self, host: str) -> str:
+        """The name of ``host``, once it serves: a host lost a moment ago whose worker answers again
+        (it is being attached again) is waited for, up to :func:`host_return_s`.
+
+        Raises:
+            ValueError: an unknown host.
+            AttachError: the host is lost and did not come back in time.
+        """
+        hosts = self.ctrl._hosts
+        deadline = time.monotonic() + host_return_s()
+        while True:
+            try:
+                return hosts.resolve(host).name
+            except AttachError:
+                if not hosts.reattaching(host) or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+
+    def _wait_serving(self, name: str, records: list[ProcRecord]) -> None:
+        """Wait until every proc of the new mesh ``name`` serves. Procs of a host lost meanwhile
+        (its agent died as the spawn went out) are started again once the host is attached again.
+
+        Raises:
+            AttachError: a host was lost and did not come back within :func:`host_return_s`.
+            RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
+        """
         deadline = time.monotonic() + config.start_timeout_s
         for rec in records:
-            while not rec.ready.wait(0.05):
+            while not (rec.ready.wait(0.05) and rec.serving):
+                if rec.state == ProcState.FAILED and _lost_with_host(rec):
+                    self._respawn_on_returned_host(name, rec.host, records)
+                    continue
                 if rec.state == ProcState.FAILED or time.monotonic() > deadline:
                     self.stop(name)
                     tail = "\n".join(rec.output_tail) or "(no output)"
                     why = f"exited ({rec.exit_info})" if rec.state == ProcState.FAILED else f"did not start within {config.start_timeout_s} s"
                     raise RuntimeError(f"proc {rec.identity} {why}; its output:\n{tail}")
-        if spares:
-            for host in dict.fromkeys(names):
-                self._keep_spares(host, name, next(s for s in specs if s["host"] == host), spares, preload)
-        return name
+
+    def _respawn_on_returned_host(self, name: str, host: str, records: list[ProcRecord]) -> None:
+        """``host`` was lost while the procs of mesh ``name`` started there: wait for it to be
+        attached again, then start them again (as restarts: same ranks, fresh processes).
+
+        Raises:
+            AttachError: it did not come back within :func:`host_return_s` (the mesh is stopped).
+        """
+        ctrl = self.ctrl
+        record = ctrl.hosts.get(host)
+        why = next((r.failure.detail for r in records if r.host == host and r.failure is not None), "host lost")
+        deadline = time.monotonic() + host_return_s()
+        while record is not None and record.state != ProcState.HEALTHY and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if record is None or record.state != ProcState.HEALTHY:
+            self.stop(name)
+            raise AttachError(f"host {host} was lost while the procs of {name} started there ({why}) and was not "
+                              f"attached again within {host_return_s():.0f} s; spawn again once it is back")
+        again = [r for r in records if r.host == host and r.state == ProcState.FAILED]
+        for rec in again:
+            rec.state = ProcState.RESTARTING  # its hello respawns no actor (none yet) and tells its peers
+            rec.restarts += 1
+            rec.ready.clear()
+            ctrl.record_event("proc_restarting", rec, detail=f"host {host} is back; starting it again", cause="host_returned")
+        ctrl.channel.send(host, {"kind": Kind.SPAWN_PROCS}, json.dumps([r.spec for r in again]).encode())
+
+    def _cpu_threads(self, hosts: list[str], per_host: int) -> dict[str, int]:
+        """Host -> CPU threads for each of its procs: the cores of its machine shared by the procs of
+        this mesh on that machine (``per_host`` on each of ``hosts``). Hosts on one machine (a local job, network namespaces) share its
+        cores, however many agents they are: torch's default of one thread per core in every proc
+        would oversubscribe it."""
+        machines: dict[str, str] = {}
+        cores: dict[str, int] = {}
+        for host in set(hosts):
+            record = self.ctrl.hosts.get(host)
+            detail = record.detail if record is not None else {}
+            machines[host] = str(detail.get("machine") or host)
+            cores[host] = int(detail.get("cores") or _cores())
+        per_machine: dict[str, int] = {}
+        for host in hosts:
+            per_machine[machines[host]] = per_machine.get(machines[host], 0) + per_host
+        return {h: max(1, cores[h] // per_machine[machines[h]]) for h in set(hosts)}
 
     def rendezvous_host(self, mesh: str) -> str:
         """The address of the controller's machine that every proc of ``mesh`` reaches.
@@ -111,7 +186,9 @@ class ProcMeshes:
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
         shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
-        body = {"mesh": mesh, "count": count, "preload": list(preload), "base_env": spec.get("base_env") or {},
+        # a spare imports torch before it takes a rank: its CPU thread budget must be set already
+        shared["extra"] = {k: v for k, v in spec["env"]["extra"].items() if k in ("OMP_NUM_THREADS", "MONARCH_NB_CPU_THREADS")}
+        body = {"mesh": mesh, "count": count, "preload": list(preload), "base_env": spec.get("base_env"),
                 "proc_env": shared, "cwd": spec.get("cwd")}
         self.ctrl.channel.send(host, {"kind": Kind.KEEP_SPARES}, json.dumps(body).encode())
 
@@ -189,6 +266,16 @@ class ProcMeshes:
                 raise TimeoutError(f"proc {rec.identity} did not come back within {timeout_s} s")
         if not rec.serving:  # busy: a heartbeat already saw an endpoint running
             raise RuntimeError(f"proc {rec.identity} restarted but is {rec.state}: {ctrl.events.events()[-1].detail}")
+
+
+def host_return_s() -> float:
+    """How long a spawn waits for a host lost a moment ago to be attached again (seconds): its
+    loss is seen within the hang timeout, and the controller tries to attach it every second."""
+    return max(5.0, 2 * config.hang_timeout_s + 2.0)
+
+
+def _lost_with_host(rec: ProcRecord) -> bool:
+    return rec.failure is not None and getattr(rec.failure, "cause", "") == "host_lost"
 
 
 def _cores() -> int:

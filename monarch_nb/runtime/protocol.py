@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any, Mapping, TypedDict
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "validate_fault",
     "ProcEnv",
     "AgentEnv",
+    "AgentExit",
 ]
 
 #: The controller's routing identity.
@@ -72,6 +73,7 @@ class Kind(str, Enum):
     AGENT_HELLO = "agent_hello"  # the agent is up (AgentHelloHeader)
     AGENT_HEARTBEAT = "agent_hb"  # the agent is alive; what the OS says of its procs (AgentHeartbeatHeader)
     SPARES = "spares"  # the warm spares of a mesh now (SparesHeader)
+    AGENT_EXITING = "agent_exiting"  # the agent exits on its own, its procs with it (AgentExitingHeader)
     PROC_SPAWNED = "proc_spawned"  # a proc process exists (ProcSpawnedHeader)
     PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
@@ -177,12 +179,16 @@ class AttachHeader(TypedDict):
     nonce: str  # hex; never accepted twice
     sealed_key: str  # the controller's session key, sealed with the cluster key (transport.keys.seal)
     heartbeat_interval_s: float
+    hang_timeout_s: float  # the controller loses a host silent this long; the worker judges it the same way
     controller_timeout_s: float  # the agent kills its procs when the controller is silent this long
+    controller_host: str  # the controller's machine (hostname) and pid, for the worker's log
+    controller_pid: int
 
 
 class AttachedHeader(TypedDict, total=False):
     ok: bool
     error: str
+    attached_as: str  # refused: this worker already serves this controller as that host
     host: str
     pid: int  # the host agent's
     hostname: str
@@ -190,11 +196,16 @@ class AttachedHeader(TypedDict, total=False):
     iface: str  # that interface's name
     cores: int
     gpus: dict  # {"vendor", "count"}
+    machine: str  # the kernel's boot id: hosts that share it share CPUs (network namespaces, local jobs)
 
 
 class AgentHeartbeatHeader(TypedDict):
     load: float  # runnable procs of this host per core (1.0: every core busy)
     stopped: list  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
+
+
+class AgentExitingHeader(TypedDict):
+    why: str  # what made it exit ("its worker loop exited", "the controller was silent for 4.0 s")
 
 
 class SparesHeader(TypedDict):
@@ -405,6 +416,9 @@ class AgentEnv:
             silent this long (0: no check; a local agent watches its parent pid instead).
         curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
         iface: the network interface that reaches the controller (procs' GLOO/NCCL_SOCKET_IFNAME).
+        status_path: a file whose modification time the agent keeps at the wall-clock time it
+            last heard its controller ("" for none): the worker loop reads it to tell a dead
+            controller from a live one when another controller asks for the host.
     """
 
     controller: str
@@ -416,6 +430,7 @@ class AgentEnv:
     controller_timeout_s: float = 0.0
     curve_dir: str = ""
     iface: str = "lo"
+    status_path: str = ""
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -428,6 +443,7 @@ class AgentEnv:
             _PREFIX + "CONTROLLER_TIMEOUT_S": repr(float(self.controller_timeout_s)),
             _PREFIX + "CURVE_DIR": self.curve_dir,
             _PREFIX + "IFACE": self.iface,
+            _PREFIX + "STATUS_PATH": self.status_path,
         }
 
     @classmethod
@@ -447,4 +463,19 @@ class AgentEnv:
             controller_timeout_s=float(_read(environ, "CONTROLLER_TIMEOUT_S", "0")),
             curve_dir=_read(environ, "CURVE_DIR", ""),
             iface=_read(environ, "IFACE", "lo"),
+            status_path=_read(environ, "STATUS_PATH", ""),
         )
+
+
+class AgentExit(IntEnum):
+    """Why a host agent exited: its exit status, read by the worker loop that started it."""
+
+    SHUTDOWN = 0  # its controller told it to stop (SHUTDOWN, or SIGTERM from its worker loop)
+    PARENT_GONE = 3  # its parent exited: the controller of a local agent, the worker loop of a remote one
+    CONTROLLER_SILENT = 4  # its controller was silent past controller_timeout_s (dead or cut off)
+
+    @property
+    def why(self) -> str:
+        return {AgentExit.SHUTDOWN: "the controller stopped using this host",
+                AgentExit.PARENT_GONE: "its parent process exited",
+                AgentExit.CONTROLLER_SILENT: "the controller went silent (dead or cut off); its procs were killed"}[self]

@@ -35,13 +35,15 @@ class Supervisor:
         self._thread = threading.Thread(target=self._run, name="monarch_nb-supervisor", daemon=True)
         self._thread.start()
 
-    def on_failure(self, rec: ProcRecord, cause: str, detail: str, signame: str | None) -> None:
-        """Queue the first failure of ``rec``'s current incarnation; later ones (e.g. the exit of a
-        proc already reported hung) are the same failure and are ignored here."""
+    def on_failure(self, rec: ProcRecord, cause: str, detail: str, signame: str | None, *, handle: bool = True) -> None:
+        """Record and queue the first failure of ``rec``'s current incarnation; later ones (e.g. the
+        exit of a proc already reported hung) are the same failure and are ignored here. Not
+        ``handle``: recorded only (a proc that never served: its ``spawn_procs`` deals with it)."""
         if rec.failure is not None:
             return
         rec.failure = Failure(rec.mesh, rec.rank, dict(rec.coords), rec.pid, cause, signame, detail, time.time(), rec.restarts)
-        self._queue.put((rec, rec.failure))
+        if handle:
+            self._queue.put((rec, rec.failure))
 
     def close(self) -> None:
         self._queue.put(None)

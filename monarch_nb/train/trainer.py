@@ -136,8 +136,10 @@ class Trainer(QuorumEndpoints, StateEndpoints, Actor):
         (workload, seed, lr, global_batch, store_host, store_port, backend, collective_timeout_s,
          chunk_bytes) = self._config
         hip_ext.load()  # compiled grad_health / checksum kernels; the pure-torch ones, with a log line, if none
+        # the runtime shares each machine's cores among the procs on it (hosts on one machine too)
+        threads = os.environ.get("MONARCH_NB_CPU_THREADS")
         world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+        torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // max(1, world)))
         self.backend = backend or device_mod.backend()
         self.device = device_mod.device() if self.backend == "nccl" else torch.device("cpu")
         if self.backend == "gloo" and sys.platform.startswith("linux"):
