@@ -1,7 +1,8 @@
 """The ``monarch-nb`` command.
 
-    monarch-nb demo [--procs N]        start a local CPU mesh, call actors, inject a fault, recover
+    monarch-nb demo                    the main job, as `make demo`: train on 4 local procs through a kill and a hang
     monarch-nb train [--procs N] [--steps S] [--fault kill@120:rank=2 ...]   fault-tolerant training + report
+    monarch-nb tour [--procs N]        a short tour of the actor API: call actors, inject a fault, recover
     monarch-nb report FILE.json        print the report of a run saved with `train --report-json`
     monarch-nb install-kernel [--user|--sys-prefix|--prefix P]   the "Monarch (Python 3)" kernelspec
     monarch-nb keys DIR                make a cluster's keys (HMAC + CurveZMQ) for hosts to share
@@ -19,16 +20,23 @@ from .argtypes import positive_int
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument said in one line that names where help is (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="monarch-nb",
         description="Interactive, fault-tolerant distributed training with Monarch's actor API.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    demo = sub.add_parser("demo", help="run a short tour of the actor mesh on local worker processes")
-    demo.add_argument("--procs", type=positive_int, default=4, help="number of worker processes (default 4)")
-    demo.set_defaults(func=_demo)
+    tour = sub.add_parser("tour", help="a short tour of the actor API on local worker processes (no training)")
+    tour.add_argument("--procs", type=positive_int, default=4, help="number of worker processes (default 4)")
+    tour.set_defaults(func=_tour)
     kernel = sub.add_parser("install-kernel", help='install the Jupyter kernelspec "Monarch (Python 3)" (ipykernel with monarch_nb loaded)')
     where = kernel.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="install for this user (~/.local/share/jupyter)")
@@ -52,14 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", help="this host's name in the supervision tree (default: the hostname)")
     worker.add_argument("--announce", metavar="FILE", help="also write the announcement (address, pid; JSON) to FILE")
     worker.set_defaults(func=_worker)
-    from .train.cli import add_report_parser, add_train_parser
+    from .train.cli import DEMO_FAULTS, add_report_parser, add_train_parser
 
     add_train_parser(sub)
+    add_train_parser(sub, name="demo", faults=DEMO_FAULTS)
     add_report_parser(sub)
     return parser
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _tour(args: argparse.Namespace) -> int:
     from . import Actor, endpoint, this_host
 
     class Counter(Actor):
@@ -92,7 +101,12 @@ def _demo(args: argparse.Namespace) -> int:
 def _install_kernel(args: argparse.Namespace) -> int:
     from .jupyter.kernelspec import DISPLAY_NAME, KERNEL_NAME, install
 
-    path = install(user=args.user, sys_prefix=args.sys_prefix, prefix=args.prefix)
+    try:
+        path = install(user=args.user, sys_prefix=args.sys_prefix, prefix=args.prefix)
+    except OSError as exc:
+        print(f"monarch-nb install-kernel: cannot write the kernelspec: {exc} (try --user, or another --prefix)",
+              file=sys.stderr)
+        return 2
     print(f'installed kernelspec "{DISPLAY_NAME}" ({KERNEL_NAME}) in {path}')
     return 0
 
@@ -111,8 +125,17 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    import logging
+
     from .runtime.worker_loop import run_worker_loop_forever
 
+    # what an operator reads: each controller that attaches and leaves (who, when, why)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s monarch-nb worker: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    loop_log = logging.getLogger("monarch_nb.worker_loop")
+    loop_log.addHandler(handler)
+    loop_log.setLevel(logging.INFO)
+    loop_log.propagate = False
     try:
         run_worker_loop_forever(args.address, args.curve_keys or args.key_file, name=args.name, announce=args.announce)
     except (ValueError, OSError) as exc:

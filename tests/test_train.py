@@ -381,6 +381,9 @@ def test_readme_main_job_command_runs(tmp_path):
     assert report["steps"] == 30 and report["steps_lost"] == 0 and report["samples_repeated"] == 0
     assert sorted((f["kind"], f["rank"]) for f in report["failures"]) == [("hang", 1), ("kill", 2)]
     assert all(f["rejoin_latency_s"] is not None for f in report["failures"])
+    # rank 1 hung at step 20 of 30 rejoins after the last commit: that wait is part of the wall time
+    assert 0 < report["rejoin_wait_s"] < report["wall_time_s"] and not report["interrupted"]
+    assert "of it waiting for ranks to rejoin" in proc.stdout
     assert len(report["ledger"]["entries"]) == 30
     again = subprocess.run([sys.executable, "-m", "monarch_nb.cli", "report", str(out)], cwd=REPO, capture_output=True,
                            text=True, timeout=60)
@@ -430,11 +433,11 @@ def test_ctrl_c_prints_the_partial_report_and_exits_130(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     workers: set[int] = set()
     try:
-        # the progress bar counts steps once training runs: "train: ... 123/1000000"
+        # without a terminal, progress is plain lines: the first says training runs
         deadline = time.monotonic() + 150
         buf = b""
         os.set_blocking(proc.stderr.fileno(), False)
-        while not re.search(rb"train:.*?\b[1-9]\d*/1000000", buf):
+        while not re.search(rb"training: step [1-9]\d* committed", buf):
             assert proc.poll() is None and time.monotonic() < deadline, buf.decode(errors="replace")[-2000:]
             chunk = os.read(proc.stderr.fileno(), 65536) if _readable(proc.stderr.fileno()) else b""
             buf += chunk
@@ -450,8 +453,10 @@ def test_ctrl_c_prints_the_partial_report_and_exits_130(tmp_path):
             proc.wait()
     stderr = buf.decode(errors="replace") + rest
     assert proc.returncode == 130, stderr[-3000:]
-    assert "training report" in out and "(stopped early)" in out
+    assert "training report" in out and "(interrupted: stopped before the last step)" in out
     assert re.search(r"steps committed\s+[1-9]", out)
+    assert re.search(r"test accuracy\s+0\.\d{4}", out), out  # evaluated when it stopped
+    assert "\r" not in stderr and not re.search(r"train:\s+\d+%", stderr)  # no bar redraws in a log
     assert "interrupted" in stderr and "Traceback" not in stderr
     wait_until(lambda: not any(pid_alive(p) for p in workers), 10, message=f"workers {sorted(workers)} gone")
 
@@ -460,3 +465,47 @@ def _readable(fd: int) -> bool:
     import select
 
     return bool(select.select([fd], [], [], 0.05)[0])
+
+
+def test_the_progress_bar_on_a_terminal(tmp_path):
+    """Under a terminal (a pty): the set-up bar's clock ticks while procs start (it does not look
+    hung), then the training bar; its live count follows a failure as soon as it is detected (not
+    at the next committed step); no traceback."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    cmd = [sys.executable, "-m", "monarch_nb.cli", "train", "--procs", "2", "--steps", "300", "--eval-every", "0",
+           "--fault", "kill@150:rank=1"]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))  # a terminal of 140 columns
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=_env())
+    os.close(slave)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            if _readable(master):
+                try:
+                    screen += os.read(master, 65536)
+                except OSError:  # every writer closed the terminal
+                    break
+            elif proc.poll() is not None:
+                break
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    text = screen.decode(errors="replace")
+    assert proc.returncode == 0 and "training report" in out.decode(), text[-3000:]
+    redraws = re.split(r"[\r\n]", text)
+    setup_clocks = {m.group(1) for r in redraws if (m := re.search(r"(?:setting up|spawning|constructing|forming quorum):"
+                                                                    r".*?\[(\d\d:\d\d)<", r))}
+    assert len(setup_clocks) >= 2, setup_clocks  # the elapsed time moved during set-up
+    # the kill is at step 150: the bar says live=1 while it still counts 150 steps, before the
+    # survivors' next commit (which is when the old bar learnt of it)
+    assert re.search(r"\| 150/300 \[[^]]*live=1", text), text[text.index("rank 1 failed"):][:3000]
+    assert "Traceback" not in text

@@ -20,7 +20,10 @@ import sys
 
 from ..argtypes import positive_float, positive_int
 
-__all__ = ["add_train_parser", "add_report_parser", "run_train", "run_report"]
+__all__ = ["add_train_parser", "add_report_parser", "run_train", "run_report", "DEMO_FAULTS"]
+
+#: the faults of the main job (`make demo`, `monarch-nb demo`): a SIGKILL, then a SIGSTOP found hung
+DEMO_FAULTS = ("kill@120:rank=2", "hang@200:rank=1")
 
 
 def _non_negative_int(text: str) -> int:
@@ -30,12 +33,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def add_train_parser(sub) -> argparse.ArgumentParser:
-    """Add the ``train`` subcommand to an argparse subparsers object."""
+def add_train_parser(sub, name: str = "train", faults: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """Add the ``train`` subcommand (or, with ``name="demo"`` and ``faults``, the main job: the same
+    options, those faults unless ``--fault`` is given) to an argparse subparsers object."""
+    demo = f"the main job (as `make demo`): train with the faults {' and '.join(faults)} unless --fault is given"
     p = sub.add_parser(
-        "train",
-        help="fault-tolerant data-parallel training on a local mesh, with injected faults and a report",
-        description="Train on real data over a local mesh of worker processes (or on the hosts of --hosts or "
+        name,
+        help=demo if faults else "fault-tolerant data-parallel training on a local mesh, with injected faults and a report",
+        description=(demo[0].upper() + demo[1:] + ". " if faults else "")
+                    + "Train on real data over a local mesh of worker processes (or on the hosts of --hosts or "
                     "--job); survive injected faults.",
         epilog="Across hosts: start `monarch-nb worker --address tcp://HOST:PORT --curve-keys DIR` on each\n"
                "host (or a job: monarch_nb.job.SlurmJob / SSHJob, whose state() writes .monarch/job_state.json),\n"
@@ -52,17 +58,19 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--text", metavar="PATH", help="text file for charlm (default: the source of Python's inspect module)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="KIND@STEP:rank=R[,param=value], e.g. kill@120:rank=2, hang@200:rank=1, exit@50:rank=0,code=3, "
-                        "slow@10:rank=1,ms=50; repeatable")
+                        "slow@10:rank=1,ms=50; repeatable" + (f" (default: {' '.join(faults)})" if faults else ""))
     p.add_argument("--chaos-mtbf", type=positive_float, metavar="SECONDS",
                    help="also inject random faults (kill, hang, exit, segfault, raise, nan) with this mean time between them")
     p.add_argument("--seed", type=int, default=0, help="seed of model init, data order and chaos (default 0)")
-    p.add_argument("--batch-size", type=positive_int, help="global batch: samples per step over all ranks")
+    p.add_argument("--batch-size", type=positive_int,
+                   help="global batch: samples per step over all ranks (default: the workload's, 64 for digits, "
+                        "32 for charlm)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default: the workload's)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default: gloo on CPU, nccl/RCCL on GPUs)")
     p.add_argument("--eval-every", type=_non_negative_int, default=50,
-                   help="steps between test evaluations (0: only at the end)")
+                   help="steps between test evaluations (default 50; 0: only at the end)")
     p.add_argument("--spares", type=_non_negative_int, default=1,
-                   help="warm spare procs (torch loaded) that take a failed rank's place (default 1; 0: none)")
+                   help="warm spare procs per host (torch loaded) that take a failed rank's place (default 1; 0: none)")
     p.add_argument("--report-json", metavar="PATH", help="write the report (with the sample ledger) as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     where = p.add_argument_group("across hosts")
@@ -71,7 +79,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     where.add_argument("--ca", metavar="DIR", help="with --hosts: the cluster's keys (`monarch-nb keys DIR`) the workers use")
     where.add_argument("--job", metavar="FILE", help="train on the hosts of a saved job (job.state() writes .monarch/job_state.json)")
     where.add_argument("--mesh", metavar="NAME", help="with --job: which of its host meshes (default: its first)")
-    p.set_defaults(func=run_train)
+    p.set_defaults(func=run_train, default_faults=list(faults))
     return p
 
 
@@ -107,7 +115,7 @@ def _train(args: argparse.Namespace, placement) -> int:
 
     try:
         run = start(
-            args.workload, procs=args.procs, steps=args.steps, faults=args.fault, seed=args.seed,
+            args.workload, procs=args.procs, steps=args.steps, faults=args.fault or args.default_faults, seed=args.seed,
             lr=args.lr, batch_size=args.batch_size, text=args.text, backend=args.backend,
             chaos_mtbf_s=args.chaos_mtbf, eval_every=args.eval_every, spares=args.spares,
             report_json=args.report_json, hosts=placement.host_mesh,

@@ -96,6 +96,7 @@ class Coordinator(Launch, Boundaries):
         self.chaos: Any = None
         self.t_train0 = time.monotonic()
         self.t_last_commit = self.t_train0
+        self.t_end: float | None = None  # training ended: the last rejoin waited for, or the stop seen
         self.setup_s = 0.0
 
     # -- the run ------------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class Coordinator(Launch, Boundaries):
                 continue
             self._dispatch()
             self._wait_event()
+        self.t_end = time.monotonic()
 
     def _needs_recovery(self) -> bool:
         return self.recover or self.nonfinite_at is not None or not self.m.live or self.m.dirty
@@ -432,16 +434,19 @@ class Coordinator(Launch, Boundaries):
         deadline = time.monotonic() + 2.0 + o.pipeline * o.window_s
         while any(not w.complete for w in self.windows) and time.monotonic() < deadline:
             self._wait_event(0.05)
+        if self.t_end is None:
+            self.t_end = time.monotonic()
         timeout = 2.0 if run.stopping else o.collective_timeout_s
         stop = threading.Event()  # the final reads run even when the run was asked to stop
         values, _ = wait_all({r: m.trainers[r].checksum.call_one() for r in m.live}, timeout, stop)
         digests = {v["params_checksum"] for v in values.values()}
         applied = {v["applied_steps"] for v in values.values()}
-        ev = {"test_accuracy": None, "test_loss": None}
+        ev: dict = {"test_accuracy": None, "test_loss": None}
         mem: dict = {}
-        if not run.stopping and m.live:
+        if m.live:  # an interrupted run is evaluated too (within the stop's 2 s), so its report is complete
             evs, _ = wait_all({r: m.trainers[r].evaluate.call_one() for r in m.live[:1]}, timeout, stop)
             ev = next(iter(evs.values()), ev)
+        if not run.stopping and m.live:
             mem, _ = wait_all({r: m.trainers[r].memory.call_one() for r in m.live}, timeout, stop)
             if o.keep_parameters:
                 run.parameters, _ = wait_all({r: m.trainers[r].parameters.call_one() for r in m.live}, timeout, stop)

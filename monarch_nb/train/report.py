@@ -73,9 +73,15 @@ class TrainReport:
             replica lost) and trained again.
         samples_lost, samples_repeated: from the sample ledger's audit against the pure order.
         goodput: :data:`GOODPUT_MEANS`.
-        wall_time_s: first step sent -> last step committed. setup_time_s: procs, trainers and
-            the first quorum.
+        wall_time_s: first step sent -> end of training: the last step committed, then (see
+            ``rejoin_wait_s``) the wait for restarting ranks, or the stop. setup_time_s: procs,
+            trainers and the first quorum.
+        rejoin_wait_s: of ``wall_time_s``, the time after the last commit spent waiting for
+            restarting ranks to rejoin (so that every replica is compared at the end).
         throughput_samples_per_s: committed samples / wall_time_s.
+        interrupted: the run was stopped (``stop()``, Ctrl-C) before it ended by itself.
+        test_step: the step after which ``test_accuracy`` / ``test_loss`` were measured (the last
+            committed one, or an earlier evaluation's when the stop left no time for a new one).
         quorums: quorums formed (one at the start, one per failure and per rejoin).
         replicas_identical: all live replicas' parameters equal at the end (per-tensor 64-bit checksums).
         params_checksum: the replicas' parameter checksum (16 hex digits), "" when they differ.
@@ -115,6 +121,9 @@ class TrainReport:
     restores: list = field(default_factory=list)
     ledger: dict | None = None
     hosts: int = 1
+    rejoin_wait_s: float = 0.0
+    interrupted: bool = False
+    test_step: int | None = None
 
     def to_dict(self, ledger: bool = False) -> dict:
         d = asdict(self)
@@ -170,15 +179,20 @@ class TrainReport:
 
         snap = self.snapshots or {}
         on_hosts = f" on {self.hosts} hosts" if self.hosts > 1 else ""
+        ended = "  (interrupted: stopped before the last step)" if self.interrupted and self.stopped_early else (
+            "  (interrupted while finishing)" if self.interrupted else "  (stopped early)" if self.stopped_early else "")
+        measured = (f"   (after step {self.test_step})" if self.test_step is not None and self.test_step != self.steps - 1
+                    else "")
+        waited = f", {self.rejoin_wait_s:.2f} s of it waiting for ranks to rejoin" if self.rejoin_wait_s >= 0.005 else ""
         lines = [
             f"training report: {self.workload} on {self.procs} procs{on_hosts} ({self.backend}), global batch {self.global_batch}",
-            f"  steps committed     {self.steps}{'  (stopped early)' if self.stopped_early else ''}",
+            f"  steps committed     {self.steps}{ended}",
             f"  final loss          {fmt(self.final_loss)}   (training loss of the last step)",
-            f"  test accuracy       {fmt(self.test_accuracy)}",
-            f"  test loss           {fmt(self.test_loss)}",
-            f"  wall time           {self.wall_time_s:.2f} s (setup {self.setup_time_s:.2f} s)",
+            f"  test accuracy       {fmt(self.test_accuracy)}{measured}",
+            f"  test loss           {fmt(self.test_loss)}{measured}",
+            f"  wall time           {self.wall_time_s:.2f} s{waited} (setup {self.setup_time_s:.2f} s)",
             f"  throughput          {self.throughput_samples_per_s:.0f} samples/s, median step {self.step_time_ms_median:.2f} ms",
-            f"  goodput             {self.goodput:.3f}   ({GOODPUT_MEANS})",
+            f"  goodput             {self.goodput:.3f}   (share of the wall time in steps kept, see below)",
             f"  steps lost          {self.steps_lost}   (attempts redone: {self.steps_redone})",
             f"  samples lost        {self.samples_lost}",
             f"  samples repeated    {self.samples_repeated}",
@@ -202,6 +216,7 @@ class TrainReport:
                 )
         else:
             lines.append("  failures            none")
+        lines.append(f"  (goodput: {GOODPUT_MEANS})")
         return "\n".join(lines)
 
 
@@ -214,7 +229,14 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
     """
     o, run = c.o, c.run
     audit = run.ledger.audit(run.order, c.next_commit, start=c.start_step)
-    wall = max(1e-9, c.t_last_commit - c.t_train0)
+    end = c.t_end if c.t_end is not None else c.t_last_commit
+    wall = max(1e-9, end - c.t_train0)
+    rejoin_wait = 0.0 if run.stopping else max(0.0, end - c.t_last_commit)
+    test_step: int | None = c.next_commit - 1 if ev.get("test_loss") is not None else None
+    if ev.get("test_loss") is None:  # the stop left no time for an evaluation: the last one of the run
+        last_eval = next((mm for mm in reversed(run.metrics) if mm.get("test_loss") is not None), None)
+        if last_eval is not None:
+            ev, test_step = {"test_accuracy": last_eval.get("test_accuracy"), "test_loss": last_eval["test_loss"]}, last_eval["step"]
     committed = c.next_commit - c.start_step
     # an update missing from the parameters is lost; one applied twice too, but a stopped run's
     # ranks may hold updates of a window whose replies the stop did not wait for
@@ -266,6 +288,9 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         snapshots=snapshot_info,
         restores=list(c.restores),
         ledger=run.ledger.to_dict(),
+        rejoin_wait_s=round(rejoin_wait, 3),
+        interrupted=run.stopping,
+        test_step=test_step,
     )
     return report
 
