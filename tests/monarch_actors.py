@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from monarch_nb.actor import (
     Actor, MeshFailure, Port, ProcMesh, concurrent_endpoint, context, current_actor_name, current_rank, endpoint,
@@ -72,9 +73,13 @@ class Sender(Actor):
         return "no error"
 
     @endpoint
-    def hold_then_die(self, port: Port) -> None:
+    def hold_then_die(self, port: Port, release: str) -> None:
         port.send("before")
-        threading.Event().wait(0.5)  # os._exit does not wait for queued messages to leave
+        # os._exit does not wait for queued messages to leave: die once the client got "before"
+        # (it creates ``release`` then), not after a guessed delay
+        deadline = time.monotonic() + 60
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.01)
         os._exit(9)
 
     @endpoint

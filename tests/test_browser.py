@@ -206,7 +206,9 @@ def test_kill_from_the_tree_while_a_cell_waits(lab):
         expect(wait_cell.locator(".jp-InputPrompt")).to_contain_text("*")
         expect(indicator).to_have_attribute("data-status", "busy")
         page.screenshot(path=str(ARTIFACTS / "02_tree_rank3_failed.png"), full_page=True)
-        expect(rank3).to_have_attribute("data-state", _HEALTHY, timeout=60_000)
+        # healthy again in a new proc, restarted: wait for all of it at once, then read it
+        healed = page.locator(f'.mnb-tree .mnb-proc[data-rank="3"]:not([data-pid="{old_pid}"]):not([data-restarts="0"])')
+        expect(healed).to_have_attribute("data-state", _HEALTHY, timeout=60_000)
         assert rank3.get_attribute("data-pid") != old_pid
         assert int(rank3.get_attribute("data-restarts")) >= 1
         pids.add(int(rank3.get_attribute("data-pid") or 0))

@@ -258,16 +258,17 @@ print(hang_procs.name)
 def test_stack_names_busy_loop_and_collective(kernel):
     mesh = ok(kernel, COLLECTIVE, timeout_s=90).text.strip().splitlines()[-1]
     wanted = re.compile(r"in spin\n\s+while True: n \+= 1", re.M)
+    in_all_reduce = re.compile(rf'line {line_of(COLLECTIVE, "dist.all_reduce(t)")}, in run\n\s+dist.all_reduce\(t\)')
     deadline = time.monotonic() + 60
     while True:
         text = ok(kernel, f"%mesh stack --mesh {mesh}").text
-        if wanted.search(text) and "ranks 0,1 (2 ranks, identical stacks)" in text:
-            break  # both ranks reached all_reduce (before that, one may still be connecting)
+        groups = text.split("\n\n")
+        collective = next((g for g in groups if g.startswith("ranks 0,1 (2 ranks, identical stacks)")), "")
+        if wanted.search(text) and in_all_reduce.search(collective):
+            break  # both ranks reached all_reduce (before that, both may still be in init_process_group)
         assert time.monotonic() < deadline, f"stacks never showed the hang:\n{text}"
         time.sleep(0.5)
-    groups = text.split("\n\n")
-    collective = next((g for g in groups if g.startswith("ranks 0,1 (2 ranks, identical stacks)")), text)
-    assert re.search(rf'line {line_of(COLLECTIVE, "dist.all_reduce(t)")}, in run\n\s+dist.all_reduce\(t\)', collective), collective
+    assert in_all_reduce.search(collective), collective
     assert "all_reduce" in collective and "spin" not in collective
     looping = next(g for g in groups if g.startswith("rank 2"))
     assert re.search(rf'line {line_of(COLLECTIVE, "            spin()")}, in run\n\s+spin\(\)', looping), looping

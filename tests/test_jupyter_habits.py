@@ -107,8 +107,13 @@ def test_barrier_waits_for_every_rank_to_be_idle(mesh):
     t0 = time.monotonic()
     mesh.ok("assert not slow.done()\n%mesh barrier\nassert slow.done() and not slow.errors")
     assert time.monotonic() - t0 >= 0.5
-    outs = mesh.drain(ex.msg_id, 5, until=lambda o: sum("finished" in c.get("text", "") for t, c in o) >= 1)
-    assert "finished 3" in "".join(c.get("text", "") for t, c in outs)
+
+    def every_rank_finished(outputs) -> bool:
+        text = "".join(c.get("text", "") for t, c in outputs)
+        return all(f"finished {r}" in text for r in range(4))
+
+    outs = mesh.drain(ex.msg_id, 5, until=every_rank_finished)
+    assert every_rank_finished(outs), outs  # "finished 3" included: rank 3 sleeps longest
     mesh.ok("procs.barrier(timeout_s=30)")
 
 

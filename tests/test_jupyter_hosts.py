@@ -253,6 +253,7 @@ def test_a_lost_host_shows_as_lost_and_its_rank_restarts_when_it_is_back(kernel,
               "from monarch_nb.jupyter.session import current\n"
               f"name = next(h.name for h in Controller.get().hosts.values() if h.address == {second!r})\n"
               "shown_lost = []\n"
+              "since = Controller.get().events.next_seq\n"
               "current().tree_widget.observe(lambda change: shown_lost.extend(\n"
               "    r['name'] for r in change['new'].get('hosts', []) if r['lost']), names=['grid'])")
     agent = int(kernel.ok("print(Controller.get().hosts[name].pid)").stream_text())
@@ -262,7 +263,9 @@ def test_a_lost_host_shows_as_lost_and_its_rank_restarts_when_it_is_back(kernel,
     assert _stdout(kernel.ok("%%mesh --ranks 0\nprint('still here', rank)", 60)).strip() == "[stdout:0] still here 0"
     # the worker loop is alive: the controller attaches it again (a fresh agent); the lost rank stays
     # failed (cause host_lost) until restarted there
-    kernel.ok("%mesh wait --until \"Controller.get().hosts[name].state == 'healthy'\" --timeout 60", 90)
+    # healthy, and the return recorded (after the state, on the attaching thread): what the row shows
+    kernel.ok("%mesh wait --until \"Controller.get().hosts[name].state == 'healthy' and any(e.host == name for e in "
+              "Controller.get().events.events('host_returned', since_seq=since))\" --timeout 60", 90)
     row = json.loads(kernel.ok(
         "_t = current().tree_widget\n_t.refresh()\nprint(json.dumps(next(r for r in _t.grid['hosts'] if r['name'] == name)))"
     ).stream_text())

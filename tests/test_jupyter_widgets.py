@@ -37,7 +37,10 @@ def test_tree_follows_a_kill_click_and_a_restart_click(tree, procs4):
     wait_until(lambda: tree.proc_states().get(2) == "healthy", 10, message="rank 2 healthy")
     old_pid = tree.proc_node(2)["pid"]
     tree.click("fault", 2, "kill").join(10)
-    wait_until(lambda: tree.proc_states().get(2) == "failed", 5, message="the widget showing rank 2 failed")
+    # the state (self.tree) and the events (a trait set after it) both: a refresh sets them one by one
+    wait_until(lambda: tree.proc_states().get(2) == "failed"
+               and any(e["kind"] == "proc_exited" and e["rank"] == 2 for e in tree.events), 5,
+               message="the widget showing rank 2 failed, and its exit")
     assert tree.proc_states()[0] == "healthy"  # isolated to rank 2
     assert any(e["kind"] == "proc_exited" and e["rank"] == 2 for e in tree.events)
     assert "injected kill into rank 2" in tree.status
@@ -52,8 +55,13 @@ def test_tree_follows_a_kill_click_and_a_restart_click(tree, procs4):
 def test_tree_follows_a_hang_to_its_fencing(tree, procs4):
     tree.click("fault", 1, "hang").join(10)
     wait_until(lambda: tree.proc_states().get(1) in ("hung", "failed"), 5, message="rank 1 hung")
-    wait_until(lambda: tree.proc_states().get(1) == "failed", 5, message="rank 1 fenced")
-    kinds = [e["kind"] for e in tree.events if e["rank"] == 1]
+
+    def kinds() -> list[str]:
+        return [e["kind"] for e in tree.events if e["rank"] == 1]
+
+    wait_until(lambda: tree.proc_states().get(1) == "failed" and {"proc_hung", "proc_fenced"} <= set(kinds()), 5,
+               message="rank 1 fenced, and its events shown")
+    kinds = kinds()
     assert "proc_hung" in kinds and "proc_fenced" in kinds
 
 
@@ -149,8 +157,9 @@ def test_fault_and_restart_from_a_selected_cell(cluster_tree):
     details = widget.select(27)
     assert details["node"]["state"] == "healthy"
     widget.click("fault", 27, "kill").join(5)
-    wait_until(lambda: next(c for r in widget.grid["hosts"] for c in r["cells"] if c["rank"] == 27)["state"] == "failed", 5,
-               message="the cell of rank 27 failed")
+    # the grid and the details are traits set one after the other by a refresh: wait for both
+    wait_until(lambda: next(c for r in widget.grid["hosts"] for c in r["cells"] if c["rank"] == 27)["state"] == "failed"
+               and widget.details["node"]["state"] == "failed", 5, message="the cell of rank 27 failed, and its details")
     assert widget.details["node"]["state"] == "failed" and "injected kill into rank 27" in widget.status
     widget.click("restart", 27).join(5)
     wait_until(lambda: widget.proc_states()[27] == "healthy" and widget.proc_node(27)["restarts"] == 1, 5,
@@ -274,7 +283,9 @@ def test_dashboard_downsamples_and_rate_limits():
         t0 = time.monotonic()
         for step in range(5000):
             dash.add_metric({"step": step, "loss": 1.0, "accuracy": 0.5})
-        wait_until(lambda: dash.progress.get("step") == 5000, 5, message="last step shown")
+        # progress is set before metrics in a push: wait for the last step in both
+        wait_until(lambda: dash.progress.get("step") == 5000 and dash.metrics and dash.metrics[-1]["step"] == 4999, 5,
+                   message="last step shown")
         assert len(dash.metrics) <= 600 and dash.metrics[-1]["step"] == 4999
         assert dash.updates <= 2 + 10 * (time.monotonic() - t0) + 1
     finally:

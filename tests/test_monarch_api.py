@@ -96,11 +96,13 @@ def test_once_port_ranked_port_and_send_with_selection(procs4):
         send(counters.incr, (), {}, selection="some")
 
 
-def test_port_whose_sender_died_raises_instead_of_waiting(procs4, faults):
+def test_port_whose_sender_died_raises_instead_of_waiting(procs4, faults, tmp_path):
     senders = procs4.spawn("senders", Sender)
     port, receiver = Channel.open()
-    senders.slice(gpus=2).hold_then_die.broadcast(port)
+    release = tmp_path / "release"
+    senders.slice(gpus=2).hold_then_die.broadcast(port, str(release))
     assert receiver.recv().get(timeout=T) == "before"  # what it sent before dying still arrives
+    release.touch()  # now the sender dies
     with pytest.raises(SupervisionError, match="rank 2"):
         receiver.recv().get(timeout=hang_deadline_s() + T)
 
@@ -287,12 +289,13 @@ def test_a_timed_out_get_leaves_the_call_pending_and_cancel_drops_it(procs4):
     assert fut.get(timeout=T) == 1.0 and fut.done() and fut.exception() is None
     assert asyncio.run(_await(fut)) == 1.0
     polled = raiser.slow.call_one(0.3)
+    deadline = time.monotonic() + T
     while True:  # a polling loop works
         try:
             assert polled.get(timeout=0.05) == 0.3
             break
         except TimeoutError:
-            continue
+            assert time.monotonic() < deadline, f"the polled call did not end within {T} s"
     dropped = raiser.slow.call_one(0.5)
     assert dropped.cancel() and dropped.cancelled()
     with pytest.raises(concurrent.futures.CancelledError):
@@ -340,8 +343,12 @@ _SCRIPT_HEAD = """
 def test_fault_hook_in_a_script_default_prints_and_goes_on(tmp_path):
     result = _script(tmp_path, _SCRIPT_HEAD + """
     procs = this_host().spawn_procs(per_host={"gpus": 1})
+    default_hook, seen = ma.unhandled_fault_hook, []
+    ma.unhandled_fault_hook = lambda failure: (default_hook(failure), seen.append(failure))
     procs.spawn("bad", Bad)
-    time.sleep(3)
+    deadline = time.monotonic() + 60
+    while not seen and time.monotonic() < deadline:  # the default hook has printed, and the script goes on
+        time.sleep(0.05)
     print("still running")
     procs.stop().get()
     """)
@@ -387,10 +394,13 @@ def test_fault_hook_in_a_kernel_prints_in_the_cell_and_the_kernel_lives(no_leake
         cell = kernel.send("bad = procs.spawn('bad', Bad)")
         ex = kernel.collect(cell)
         assert ex.status == "ok"
-        outputs = kernel.drain(cell, timeout_s=T, until=lambda outs: any(
-            "constructor failed in a cell" in c.get("text", "") for t, c in outs if t == "stream"))
-        text = "".join(c.get("text", "") for t, c in ex.outputs + outputs if t == "stream")
-        assert "unhandled failure of bad" in text and "constructor failed in a cell" in text
+
+        def printed(outs) -> bool:
+            text = "".join(c.get("text", "") for t, c in ex.outputs + outs if t == "stream")
+            return "unhandled failure of bad" in text and "constructor failed in a cell" in text
+
+        outputs = kernel.drain(cell, timeout_s=T, until=printed)
+        assert printed(outputs), ex.outputs + outputs
         assert kernel.ok("print(1 + 1)").stream_text("stdout").strip() == "2"  # the kernel lives
         no_leaked_processes.update(kernel.worker_pids())
         kernel.ok("procs.stop().get()")

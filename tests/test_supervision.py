@@ -200,12 +200,16 @@ def test_tree_snapshot_is_plain_data(m):
     procs, workers, _, ctrl = m
     call = workers.slice(gpus=2).sleep.call_one(1.0)
 
-    def busy_actor():
-        nodes = find(procs.tree(), "actor", name="w", rank=2)
-        return nodes and nodes[0]["endpoint"] == "sleep" and nodes[0]
+    def busy_tree():
+        # one snapshot where the actor runs sleep and its proc is busy (a heartbeat sets the one,
+        # then the other); the assertions below read that snapshot, not a later one
+        tree = procs.tree()
+        nodes = find(tree, "actor", name="w", rank=2)
+        return (nodes and nodes[0]["endpoint"] == "sleep" and find(tree, "proc", rank=2)[0]["state"] == "busy"
+                and tree)
 
-    node = wait_until(busy_actor, 5, message="rank 2's actor busy in sleep")
-    tree = procs.tree()
+    tree = wait_until(busy_tree, 5, message="rank 2's actor busy in sleep")
+    node = find(tree, "actor", name="w", rank=2)[0]
     assert tree["kind"] == "controller" and tree["state"] == "healthy" and tree["pid"] > 0
     hosts = [h for h in tree["children"] if h["children"]]  # the host running this mesh (others may be known)
     assert [h["kind"] for h in hosts] == ["host"] and hosts[0]["state"] == "healthy"

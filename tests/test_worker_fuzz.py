@@ -137,3 +137,6 @@ def test_the_fuzzed_worker_is_up_and_serves_its_controller(worker):
         assert procs.spawn("c", Counter, 5).incr.call(by=2).get(timeout=30).values() == [7, 7]
     finally:
         procs.stop()
+    # the fuzz test checks right after each send, before the worker may have read the frame: now,
+    # after a whole attach, spawn and call through that worker, its last frames were read too
+    assert not os.path.exists(worker["folder"] / "unpickled"), "a message body was unpickled"
