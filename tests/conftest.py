@@ -82,10 +82,19 @@ def _owner(name: str, field: int) -> int:
     return int(parts[field]) if len(parts) > field and parts[field].isdigit() else -1
 
 
+def _run_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "monarch_nb-*")))
+
+
+#: run folders (and worker status files) that were there before this session: another program's
+#: (a user's script SIGKILLed last week), not the suite's to judge
+_BEFORE = _run_dirs()
+
+
 def _leftovers(pids: set[int]) -> tuple[list[str], list[str]]:
-    """Run folders of this process or of dead controllers (kernels the tests started), and
-    shared-memory files written by this process or by its procs."""
-    dirs = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "monarch_nb-*"))
+    """Run folders made during this session by this process or by dead controllers (kernels the
+    tests started), and shared-memory files written by this process or by its procs."""
+    dirs = [d for d in sorted(_run_dirs() - _BEFORE)
             if _owner(os.path.basename(d), 1) == os.getpid()
             or (_owner(os.path.basename(d), 1) > 0 and not pid_alive(_owner(os.path.basename(d), 1)))]
     shm = [f for f in glob.glob("/dev/shm/monarch_nb-*") if _owner(os.path.basename(f), 2) in pids | {os.getpid()}]

@@ -171,6 +171,7 @@ class WorkerLoop:
                               "pick another port, or stop what listens on it") from None
             raise OSError(f"cannot listen on {address}: {exc}") from None
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        sweep_stale_run_dirs()  # a loop killed before it could clean up: its status file, its agent's folder
         self.agent: subprocess.Popen | None = None
         self.attachment: Attachment | None = None
         self._status = tempfile.NamedTemporaryFile(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-worker-", delete=False)
