@@ -29,6 +29,9 @@ __all__ = ["load", "compiled"]
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+#: what csrc/ holds: kernels (.cu) and the headers they share (.h, no torch header), bindings
+#: (.cpp) and the headers only bindings include (.hpp, which may include torch's)
+SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cu")
 CPU_SOURCES = ("ops_cpu.cpp",)
 GPU_SOURCES = ("ops_cuda.cpp", "grad_health.cu", "checksum.cu")
 
@@ -155,7 +158,7 @@ def _stage_sources(dest: Path) -> Path:
     read-only). Files whose content is unchanged are left alone, so ninja sees no change."""
     dest.mkdir(exist_ok=True)
     for path in CSRC.iterdir():
-        if path.suffix in (".h", ".cpp", ".cu"):
+        if path.suffix in SOURCE_SUFFIXES:
             target = dest / path.name
             if not target.exists() or target.read_bytes() != path.read_bytes():
                 tmp = target.with_suffix(target.suffix + f".tmp{os.getpid()}")
@@ -167,6 +170,6 @@ def _stage_sources(dest: Path) -> Path:
 def _sources_digest(src: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(src.iterdir()):
-        if path.suffix in (".h", ".cpp", ".cu"):
+        if path.suffix in SOURCE_SUFFIXES:
             h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "dtype_code.h"
+#include "dtype_code.hpp"
 #include "elements.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "dtype_code.h"
+#include "dtype_code.hpp"
 #include "elements.h"
 #include "launch.h"
 

@@ -1,7 +1,7 @@
 // The element type of a tensor as a kernel's MnbDtype code, checked once for the CPU binding
 // (ops_cpu.cpp) and the GPU binding (ops_cuda.cpp): both accept exactly the same types and say
-// the same thing about the others. Needs torch's headers: included by the bindings only, never
-// by a kernel file.
+// the same thing about the others. Needs torch's headers: a .hpp, included by the bindings only,
+// never by a kernel file (whose headers are the portable .h files).
 #pragma once
 
 #include <ATen/core/Tensor.h>
