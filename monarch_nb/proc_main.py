@@ -5,7 +5,8 @@ The host agent starts ``python -m monarch_nb.proc_main <identity>``, or, for a w
 the workload), writes one byte to ``fd`` and waits for its spec (one JSON line on stdin, see
 :func:`monarch_nb.runtime.launch.proc_specs`); then it becomes that rank's proc. This is where
 the worker is composed: :mod:`monarch_nb.runtime.proc` knows no feature, and each feature's
-worker side (``faults.worker``, ``debug.worker``) installs itself here as a plugin.
+worker side (``faults.worker``, ``debug.worker``, ``train.group_worker``) installs itself here as
+a plugin.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from .debug import worker as debug_worker
 from .faults import worker as faults_worker
 from .runtime import proc
 from .runtime.protocol import ProcEnv
+from .train import group_worker
 
-PLUGINS = (faults_worker.install, debug_worker.install)
+PLUGINS = (faults_worker.install, debug_worker.install, group_worker.install)
 
 
 def _wait_as_spare(ready_fd: int, preload: list[str]) -> str:

@@ -227,6 +227,7 @@ class CellExecutor(Actor):
             self._interrupted = False
         _interruptible.add(me)
         value = None
+        started = time.monotonic()
         try:
             exec(body, namespace)
             if last_code is not None:
@@ -239,7 +240,7 @@ class CellExecutor(Actor):
                 from ..debug.worker import record_failure
 
                 record_failure(exc, "_mesh_cells", "run_cell")
-            error = self._error(exc, filename, interrupted=interrupted)
+            error = self._error(exc, filename, interrupted=interrupted, since=started)
         finally:
             _interruptible.discard(me)
             with self._lock:
@@ -253,10 +254,17 @@ class CellExecutor(Actor):
         namespace["_"] = value
         return {"ok": True, "value": _picklable_or_none(value), "data": mime_bundle(value)}
 
-    def _error(self, exc: BaseException, filename: str, interrupted: bool = False) -> dict:
+    def _error(self, exc: BaseException, filename: str, interrupted: bool = False, since: float | None = None) -> dict:
         from ..errors import capture_traceback
+        from ..train.group_worker import failure_note, looks_like_a_peer_error
 
         info = capture_traceback(exc)
+        said = type(exc).__name__ == "PeerDeadError"  # its own message names the dead rank already
+        note = ""
+        if since is not None and not interrupted and not said:  # a peer's reset is seen before the controller's word
+            note = failure_note(since, wait_s=2.0 if looks_like_a_peer_error(exc) else 0.0)
+        if note:  # a peer died under this cell: say who and why, not only what gloo saw
+            info["message"] = f"{info.get('message', '')}\n  ({note})"
         frames = info.get("frames", [])
         for i, frame in enumerate(frames):  # drop the executor's own frames: start at the cell
             if frame[0] == filename:

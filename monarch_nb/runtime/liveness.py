@@ -159,6 +159,7 @@ class Liveness:
         note = json.dumps({"rank": rec.rank, "cause": cause, "detail": detail, "signal": signame}).encode()
         for other in self._peers(rec, include_starting=False):
             ctrl.channel.send(other.identity, {"kind": Kind.PROC_FAILED, "proc": rec.identity}, note)
+        ctrl.proc_meshes.new_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
         ctrl.supervisor.on_failure(rec, cause, detail, signame, handle=supervise)
 
     def _peers(self, rec: ProcRecord, include_starting: bool) -> list[ProcRecord]:

@@ -361,6 +361,10 @@ class Messenger:
     def failure_of(self, proc: str) -> SupervisionError | None:
         return self._failed.get(route_id(proc))
 
+    def failed_procs(self) -> dict[str, SupervisionError]:
+        """Procs known failed now (routing identity -> the error), not yet recovered."""
+        return dict(self._failed)
+
     def fail_all(self, error_factory) -> None:
         """Fail every in-flight call (the channel is closing)."""
         with self._lock:

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from ..actor import backend
@@ -51,13 +52,34 @@ from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
 from .protocol import CONTROLLER, Kind, ProcEnv
 
-__all__ = ["Proc", "CallHook", "Plugin", "current", "main"]
+__all__ = ["Proc", "CallHook", "Plugin", "PeerFailure", "current", "main"]
 
 log = logging.getLogger("monarch_nb.proc")
 
 PR_SET_PDEATHSIG = 1
 
 Handler = Callable[[dict, Any, list], None]
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """A proc of this proc's mesh failed (what the controller said: ``proc_failed``).
+
+    Attributes:
+        identity: the peer's routing identity. rank: its rank. cause: ``SIGKILL``, ``hung``,
+        ``host_lost``, ``exit 3``, ... detail: a sentence. signal: the signal's name, or None.
+        monotonic: ``time.monotonic()`` here when it was heard.
+    """
+
+    identity: str
+    rank: int
+    cause: str
+    detail: str
+    signal: str | None
+    monotonic: float
+
+    def describe(self) -> str:
+        return f"rank {self.rank} failed ({self.cause}): {self.detail}"
 
 
 class CallHook(Protocol):
@@ -112,6 +134,9 @@ class Proc:
         self.messenger.local[identity] = self.host.dispatch  # an actor calling an actor of this proc
         self.identity_route = route_id(identity)
         self._heartbeat_fields: list[Callable[[], dict]] = []
+        self._peer_failure_hooks: list[Callable[[PeerFailure], None]] = []
+        #: peers of this proc's mesh that failed, in the order heard (``%%mesh`` cells name them)
+        self.peer_failures: list[PeerFailure] = []
         self._handlers: dict[str, Handler] = {
             Kind.CALL: self.host.dispatch,
             Kind.SPAWN: self.host.dispatch,
@@ -120,6 +145,7 @@ class Proc:
             Kind.REPLY: self.messenger.on_reply,
             Kind.PORT: self.messenger.on_port,
             Kind.PROC_FAILED: self._on_proc_failed,
+            Kind.RENDEZVOUS: self._on_rendezvous,
             Kind.PROC_RECOVERED: lambda header, body, buffers: self.messenger.proc_recovered(header["proc"]),
             Kind.INTERRUPT: self._on_interrupt,
             Kind.LOG_LEVEL: lambda header, body, buffers: logging.getLogger().setLevel(int(header["level"])),
@@ -159,6 +185,10 @@ class Proc:
         """Call ``hook(actor, endpoint, exc)`` on the actor's thread when an endpoint raises."""
         self.host.failure_hooks.append(hook)
 
+    def add_peer_failure_hook(self, hook: Callable[["PeerFailure"], None]) -> None:
+        """Call ``hook(failure)`` on the IO thread (it must not block) when a peer proc fails."""
+        self._peer_failure_hooks.append(hook)
+
     def send_to_controller(self, header: dict, body: bytes = b"") -> None:
         """Send a message of a plugin's kind (e.g. ``fault_fired``) to the controller."""
         self.channel.send(CONTROLLER, header, body)
@@ -175,6 +205,21 @@ class Proc:
         info = json.loads(bytes(body)) if body else {}
         error = SupervisionError(info.get("rank", -1), info.get("cause", "failed"), info.get("detail", ""), info.get("signal"))
         self.messenger.proc_failed(header["proc"], error)
+        failure = PeerFailure(header["proc"], int(info.get("rank", -1)), str(info.get("cause", "failed")),
+                              str(info.get("detail", "")), info.get("signal"), time.monotonic())
+        if failure.identity.rsplit(".", 1)[0] != self.mesh_name:
+            return  # a proc of another mesh: not a peer of this one's process groups
+        self.peer_failures.append(failure)
+        for hook in self._peer_failure_hooks:
+            try:
+                hook(failure)
+            except Exception:
+                log.exception("a peer-failure hook failed")
+
+    def _on_rendezvous(self, header: dict, body: Any, buffers: list) -> None:
+        """A new rendezvous round of this mesh: ``env://`` finds a fresh store from now on."""
+        os.environ.update(MASTER_ADDR=str(header["addr"]), MASTER_PORT=str(header["port"]),
+                          TORCHELASTIC_RESTART_COUNT=str(header["round"]))
 
     def _on_interrupt(self, header: dict, body: Any, buffers: list) -> None:
         runner = self.actors.get(header.get("actor", ""))

@@ -41,7 +41,7 @@ class ProcMeshes:
 
     def __init__(self, ctrl: "Controller"):
         self.ctrl = ctrl
-        self._stores: dict[str, LazyStore] = {}
+        self._stores: dict[str, LazyStore] = {}  # mesh -> the store of its current rendezvous round
         self._ids = itertools.count()
 
     def spawn(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
@@ -183,6 +183,36 @@ class ProcMeshes:
         self.ctrl.channel.remove_reader(store.fd)
         store.start()
 
+    def new_round(self, mesh: str) -> None:
+        """The membership of ``mesh`` changed (a proc failed, or is killed to restart): a new
+        rendezvous round, as torchrun starts one for every restart. ``env://`` meets on a fresh
+        store from now on (one nobody used is kept: it holds no key), so a group formed again never
+        reads a dead rank's address; live procs are told (``rendezvous``), restarts take it from
+        their spec (``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``). The used store is closed:
+        a survivor still waiting in it for the dead rank (``init_process_group`` of a group it
+        was joining) is released at once instead of at the rendezvous timeout. IO thread or any."""
+        ctrl = self.ctrl
+        with ctrl._lock:
+            record = ctrl.meshes.get(mesh)
+            store = self._stores.get(mesh)
+            if record is None or record.stopped or store is None:
+                return
+            record.rendezvous_round += 1
+            if store.started:
+                fresh = LazyStore(host=store.host)
+                self._stores[mesh] = fresh
+                ctrl.channel.add_reader(fresh.fd, lambda _fd: self._start_store(fresh))
+                store.close()
+                store = fresh
+            recs = [ctrl.procs[i] for i in record.procs if i in ctrl.procs]
+            for rec in recs:
+                rec.spec["env"]["extra"].update(MASTER_PORT=str(store.port),
+                                                TORCHELASTIC_RESTART_COUNT=str(record.rendezvous_round))
+        header = {"kind": Kind.RENDEZVOUS, "addr": store.host, "port": store.port, "round": record.rendezvous_round}
+        for rec in recs:
+            if rec.alive and rec.state != ProcState.RESTARTING:
+                ctrl.channel.send(rec.identity, dict(header))
+
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
         shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
@@ -243,6 +273,8 @@ class ProcMeshes:
 
     def _restart_locked(self, rec: ProcRecord, timeout_s: float) -> None:
         ctrl = self.ctrl
+        # a new rendezvous round for the group it will join (an unused store is kept: no cost)
+        self.new_round(rec.mesh)
         if rec.state in (ProcState.HEALTHY, ProcState.BUSY, ProcState.HUNG, ProcState.STARTING):
             rec.fenced = rec.fenced or rec.state == ProcState.HUNG
             rec.state = ProcState.RESTARTING

@@ -51,6 +51,7 @@ class Kind(str, Enum):
     INTERRUPT = "interrupt"  # interrupt the endpoint an actor runs (InterruptHeader)
     PROC_FAILED = "proc_failed"  # a peer proc failed: fail calls to it (PeerHeader + JSON body)
     PROC_RECOVERED = "proc_recovered"  # a peer proc serves again (PeerHeader)
+    RENDEZVOUS = "rendezvous"  # the mesh's membership changed: a new rendezvous round (RendezvousHeader)
     FAULT = "fault"  # an in-proc fault to apply (FaultHeader); handled by the faults plugin
     DEBUG = "debug"  # a debugger request (a call with a pickled body); handled by the debug plugin
     # proc -> controller
@@ -202,6 +203,12 @@ class AttachedHeader(TypedDict, total=False):
 class AgentHeartbeatHeader(TypedDict):
     load: float  # runnable procs of this host per core (1.0: every core busy)
     stopped: list  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
+
+
+class RendezvousHeader(TypedDict):
+    addr: str  # MASTER_ADDR from now on
+    port: int  # MASTER_PORT from now on: a fresh store, with none of the previous round's keys
+    round: int  # TORCHELASTIC_RESTART_COUNT from now on (torchrun's restart count)
 
 
 class AgentExitingHeader(TypedDict):

@@ -70,6 +70,11 @@ class LazyStore:
         self._store: Any = None
         self._lock = threading.Lock()
 
+    @property
+    def started(self) -> bool:
+        """A client connected: the store may hold keys (a clean one is one nobody used)."""
+        return self._sock is None
+
     def start(self) -> None:
         """Start the TCPStore server on the socket (once; returns at once)."""
         with self._lock:

@@ -149,6 +149,7 @@ class ProcMeshRecord:
     actors: list[ActorSpawn] = field(default_factory=list)
     stopped: bool = False
     supervision: Any = None  # monarch_nb.supervision.policy.SupervisionPolicy
+    rendezvous_round: int = 0  # bumped at every membership change (torchrun's restart count)
 
 
 @dataclass
