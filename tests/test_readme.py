@@ -49,3 +49,13 @@ def test_every_monarch_name_example_runs(tmp_path):
     for number, block in enumerate(blocks, 1):
         result = _run(tmp_path, block, 180)
         assert result.returncode == 0, f"example {number} failed:\n{result.stderr[-3000:]}"
+
+
+def test_own_loop_example_runs(tmp_path):
+    """The ``ft`` example, as written (the function defined in the script's __main__ goes to the
+    procs by value): 300 steps through a kill, nothing lost, replicas identical."""
+    source = _snippet("Your own training loop, fault tolerant: `monarch_nb.ft`")
+    source += "\nprint('RESULT', report.steps, report.samples_lost, report.samples_repeated, report.replicas_identical)\n"
+    result = _run(tmp_path, source, 240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RESULT 300 0 0 True" in result.stdout, result.stdout[-2000:]

@@ -123,8 +123,9 @@ def parse_fault(spec: "str | FaultSpec | dict", default_rank: int | None = None)
     return FaultSpec(kind, step, rank, params, phase)
 
 
-def check_faults(faults: list[FaultSpec], procs: int, steps: int) -> None:
-    """Check that every fault targets an existing rank and a step that will run.
+def check_faults(faults: list[FaultSpec], procs: int, steps: int | None) -> None:
+    """Check that every fault targets an existing rank and a step that will run (``steps`` None:
+    not known yet, not checked).
 
     Raises:
         ValueError: a rank >= ``procs`` or a step >= ``steps``, or a plan that would fail every rank at once.
@@ -132,7 +133,7 @@ def check_faults(faults: list[FaultSpec], procs: int, steps: int) -> None:
     for fault in faults:
         if fault.rank >= procs:
             raise ValueError(f"fault {fault}: rank {fault.rank} does not exist; with {procs} procs the ranks are 0..{procs - 1}")
-        if fault.step >= steps:
+        if steps is not None and fault.step >= steps:
             raise ValueError(f"fault {fault}: step {fault.step} is never reached; the run has steps 0..{steps - 1}")
     fatal = {"kill", "segfault", "exit", "hang", "stall", "partition", "raise"}
     by_step: dict[int, set] = {}

@@ -1,5 +1,5 @@
-"""Checkers for notebook 04's exercises: run the learner's code against a fresh fault, name what
-went wrong.
+"""Checkers for the exercises of notebook 04 (:class:`Workshop`) and 05 (:class:`OwnLoopWorkshop`):
+run the learner's code against a fresh fault, name what went wrong.
 
     check = Workshop(procs, workers)     # the mesh and the Worker actors of the notebook
     check.reset()                        # every rank healthy again, between exercises
@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..errors import SupervisionError
 from ..supervision.records import ProcState
 
-__all__ = ["Workshop", "Hint"]
+__all__ = ["Workshop", "OwnLoopWorkshop", "Hint"]
 
 
 class Hint(AssertionError):
@@ -218,3 +218,62 @@ class Workshop:
             raise Hint(4, f"the run lost work: {lost}")
         print("exercise 4 done: one kill, 0 steps lost, 0 samples lost or repeated")
 
+
+
+class OwnLoopWorkshop:
+    """The checks of notebook 05 ("make your own loop fault tolerant").
+
+    Args:
+        train_set: the notebook's training data ``(inputs, targets)``; the checker's runs use it.
+        procs: ranks of the checker's own training run (default 3).
+    """
+
+    def __init__(self, train_set: Any, procs: int = 3) -> None:
+        self.train_set = train_set
+        self.procs = procs
+
+    def exercise_1(self, train_fn: Callable) -> None:
+        """Train ``train_fn`` on ``procs`` ranks through a kill of rank 1 at step 100; the replicas
+        must end identical (the LR scheduler healed with the rest: ``ft.register``).
+
+        Raises:
+            Hint: the replicas differ, or the run failed.
+        """
+        from ..train import TrainingError, fit
+
+        try:
+            report = fit(train_fn, procs=self.procs, faults=["kill@100:rank=1"], progress=False)
+        except TrainingError as exc:
+            raise Hint(1, f"the run failed: {str(exc).splitlines()[0]}") from None
+        if not report.replicas_identical:
+            raise Hint(1, "after rank 1 was killed and healed, its replica ended different from the others': its "
+                          "LR scheduler started again from epoch 0, so it decays at other steps. Give the scheduler "
+                          "to ft.register(\"sched\", ...) so it is healed with the model and the optimizer")
+        (failure,) = report.failures
+        print(f"exercise 1 done: rank 1 rejoined {failure['rejoin_latency_s']:.2f} s after its kill, and all "
+              f"{self.procs} replicas end identical (scheduler included)")
+
+    @staticmethod
+    def exercise_2(samples_per_rank: Callable) -> None:
+        """Compare ``samples_per_rank(global_batch, live_ranks)`` with the split the run uses
+        (:func:`monarch_nb.train.data.shard_bounds`), on cases of the checker's own.
+
+        Raises:
+            Hint: a case where the answer differs.
+        """
+        import random
+
+        from ..train.data import shard_bounds
+
+        rng = random.Random()
+        cases = [(64, [0, 1, 2, 3]), (64, [0, 1, 3]), (10, [2, 5, 7])]
+        cases += [(rng.randint(8, 200), sorted(rng.sample(range(16), rng.randint(1, 6)))) for _ in range(3)]
+        for global_batch, live in cases:
+            truth = {r: (lambda b: b[1] - b[0])(shard_bounds(global_batch, len(live), i)) for i, r in enumerate(live)}
+            got = Workshop._call(2, samples_per_rank, global_batch, list(live))
+            if got != truth:
+                raise Hint(2, f"for a global batch of {global_batch} over ranks {live} you gave {got}; the run splits "
+                              f"it {truth}: contiguous parts in rank order, the first ones one larger")
+            if sum(got.values()) != global_batch:
+                raise Hint(2, "the parts must add up to the global batch: no sample lost or repeated")
+        print(f"exercise 2 done: {len(cases)} splits match the run's, every sample in exactly one rank's part")

@@ -38,7 +38,8 @@ class Boundaries:
             self._inject(fault)
         joined = m.heal_ready() if m.ready and m.live else []
         if m.dirty and m.live:
-            m.form_quorum()
+            m.form_quorum(initial=self.fresh_replicas)
+            self.fresh_replicas = False
             for rank in m.members:
                 self.rank_next[rank] = self.next_commit
         if joined:
@@ -162,6 +163,7 @@ class Boundaries:
                 for rank in m.ready:
                     m.state[rank] = RankState.LIVE
                 m.broken = True
+                self.fresh_replicas = True  # their next quorum makes them identical (the lowest rank's model)
                 return
             raise TrainingError(
                 "every rank failed at once and no snapshot had been published yet: nothing holds the training "

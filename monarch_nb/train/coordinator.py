@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+from ..errors import ActorError, MeshStoppedError
 from ..faults.spec import FaultSpec
 from .boundaries import Boundaries
 from .launch import Launch
@@ -97,6 +98,7 @@ class Coordinator(Launch, Boundaries):
         self.t_train0 = time.monotonic()
         self.t_last_commit = self.t_train0
         self.t_end: float | None = None  # training ended: the last rejoin waited for, or the stop seen
+        self.fresh_replicas = False  # the next quorum's members are untrained: they take one's model first
         self.setup_s = 0.0
 
     # -- the run ------------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ class Coordinator(Launch, Boundaries):
             self._spawn()
             self._construct()
             self._resume()
-            self.m.form_quorum()
+            self.m.form_quorum(initial=self.start_step == 0)
             self.setup_s = time.monotonic() - t0
             self._train()
         except Stopped:
@@ -321,7 +323,17 @@ class Coordinator(Launch, Boundaries):
                 self.m.detect(rec, now, "nonfinite gradient")
 
     def _window_done(self, win: _Window) -> None:
-        """Every member answered ``win``: commit the steps all of them applied, in order."""
+        """Every member answered ``win``: commit the steps all of them applied, in order.
+
+        Raises:
+            TrainingError: the training function raised the same error on every member: a bug
+                of the loop, not a fault (restarting would only raise it again).
+        """
+        raised = [r for r in win.replies.values() if isinstance(r, ActorError) and "injected fault" not in str(r)]
+        same = {(e.exception_type, e.remote.get("message", "")) for e in raised}
+        if len(win.members) > 1 and len(raised) == len(win.members) and len(same) == 1:
+            raise TrainingError(f"the training function {self.o.name} raised on every rank at step {win.start}: "
+                                f"{raised[0]}")
         later = [w for w in self.windows if w is not win and not w.complete and w.id > win.id]
         if later:
             later[0].oldest_since = max(later[0].oldest_since, time.monotonic())
@@ -428,7 +440,7 @@ class Coordinator(Launch, Boundaries):
         run.phase("finishing" if not run.stopping else "stopping")
         if self.chaos is not None:
             self.chaos.stop()
-        if not m.trainers:
+        if not m.trainers or run.ledger is None:
             run.set_report(None)
             return
         deadline = time.monotonic() + 2.0 + o.pipeline * o.window_s
@@ -438,16 +450,25 @@ class Coordinator(Launch, Boundaries):
             self.t_end = time.monotonic()
         timeout = 2.0 if run.stopping else o.collective_timeout_s
         stop = threading.Event()  # the final reads run even when the run was asked to stop
-        values, _ = wait_all({r: m.trainers[r].checksum.call_one() for r in m.live}, timeout, stop)
+
+        def ask(endpoint: str, ranks: list[int]) -> dict:
+            """``{rank: value}`` of ``endpoint`` on ``ranks`` that answered in time; {} once the
+            procs are stopped (a stop that did not wait for the run)."""
+            try:
+                futures = {r: getattr(m.trainers[r], endpoint).call_one() for r in ranks}
+            except MeshStoppedError:
+                return {}
+            return wait_all(futures, timeout, stop)[0]
+
+        values = ask("checksum", m.live)
         digests = {v["params_checksum"] for v in values.values()}
         applied = {v["applied_steps"] for v in values.values()}
-        ev: dict = {"test_accuracy": None, "test_loss": None}
+        # an interrupted run is evaluated too (within the stop's 2 s), so its report is complete
+        ev: dict = next(iter(ask("evaluate", m.live[:1]).values()), {"test_accuracy": None, "test_loss": None})
         mem: dict = {}
-        if m.live:  # an interrupted run is evaluated too (within the stop's 2 s), so its report is complete
-            evs, _ = wait_all({r: m.trainers[r].evaluate.call_one() for r in m.live[:1]}, timeout, stop)
-            ev = next(iter(evs.values()), ev)
-        if not run.stopping and m.live:
-            mem, _ = wait_all({r: m.trainers[r].memory.call_one() for r in m.live}, timeout, stop)
+        if not run.stopping:
+            mem = ask("memory", m.live)
             if o.keep_parameters:
-                run.parameters, _ = wait_all({r: m.trainers[r].parameters.call_one() for r in m.live}, timeout, stop)
+                run.parameters = ask("parameters", m.live)
+        run.results = ask("finish", m.live)  # the training functions run to their end (ft.batches stops)
         self.run.set_report(build_report(self, digests, applied, ev, mem))

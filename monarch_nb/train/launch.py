@@ -25,8 +25,9 @@ __all__ = ["Launch", "SPARE_PRELOAD"]
 log = logging.getLogger(__name__)
 
 #: what a warm spare imports while it waits, so that a Trainer's setup on it is quick: torch,
-#: torch._dynamo (which an optimizer's constructor imports, ~1.5 s), the kernels and the trainer
-SPARE_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "hip_ext", "monarch_nb.train.trainer")
+#: torch._dynamo (which an optimizer's constructor imports, ~1.5 s), the kernels, the trainer and ft
+SPARE_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "hip_ext",
+                 "monarch_nb.train.trainer", "monarch_nb.train.ft", "monarch_nb.train.workload_loop")
 _SNAPSHOT_N = 7_700_000_000  # the <n> of snapshot file names: a band no transport buffer reaches
 _run_seq = iter(range(1 << 30))
 
@@ -116,14 +117,15 @@ class Launch:
 
     def _construct(self) -> None:
         """A Trainer on every proc (a light constructor), then ``setup()`` on each rank on its own:
-        a rank that fails while it sets up is restarted and set up again without the others."""
+        a rank that fails while it sets up is restarted and set up again without the others. The
+        setups say what the training function's ``ft.batches`` asked for (steps, global batch,
+        dataset size): the run learns its geometry from them."""
         from ..errors import SupervisionError
         from .trainer import Trainer
 
         o, m = self.o, self.m
         self.run.phase("constructing")
-        args = (o.workload, o.seed, o.lr, o.global_batch, self.store_host, m.store.port, o.backend,
-                o.collective_timeout_s, o.chunk_bytes)
+        args = (o.loop, o.seed, self.store_host, m.store.port, o.backend, o.collective_timeout_s, o.chunk_bytes)
         for rank in range(o.procs):
             m.state[rank] = RankState.LIVE
         mesh = None
@@ -146,12 +148,35 @@ class Launch:
         values, errors = wait_all(futures, o.restart_timeout_s, self.run.stop_event)
         if errors and not values and all(isinstance(e, ActorError) for e in errors.values()):
             rank, exc = min(errors.items())
-            raise TrainingError(f"setting up the Trainer failed on every rank; rank {rank}: {exc}")
+            raise TrainingError(f"the training function {o.name} failed on every rank before its first step; "
+                                f"rank {rank}: {exc}")
         for rank, exc in errors.items():
             m.fail_rank(rank, exc)
+        if values:
+            self._learn_geometry(values)
         self._settle_restarts()
         if not m.live:
             raise TrainingError("no rank could set up its Trainer")
+
+    def _learn_geometry(self, setups: dict[int, dict]) -> None:
+        """What the ranks' ``ft.batches`` asked for: the same on every rank, or the run cannot go on.
+
+        Raises:
+            TrainingError: ranks disagree, or the geometry is unusable (fewer samples than ranks).
+        """
+        o = self.o
+        seen = {(v["num_samples"], v["global_batch"], v["steps"]) for v in setups.values()}
+        if len(seen) > 1:
+            by_rank = {r: (v["num_samples"], v["global_batch"], v["steps"]) for r, v in sorted(setups.items())}
+            raise TrainingError(f"the ranks' ft.batches disagree on (dataset size, batch_size, steps): {by_rank}; "
+                                "every rank must loop over the same data")
+        num_samples, global_batch, steps = seen.pop()
+        try:
+            self.run.learn_geometry(num_samples, global_batch, steps)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+        if not any(v["evaluator"] for v in setups.values()):
+            o.eval_every = 0  # the function registered no ft.evaluator: nothing to evaluate
 
     def _settle_restarts(self) -> None:
         """Before training: wait until no rank is restarting (a rank back from a restart is set up

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from ..faults.spec import FaultSpec, check_faults, parse_fault
 from .workloads import Workload, get_workload
@@ -22,9 +22,16 @@ class TrainOptions:
     ``snapshot_every`` None means snapshots as often as ``snapshot_budget`` of the step time
     allows, 0 means none. ``procs`` is the number of ranks (``procs_per_host`` on each host of
     ``host_mesh``; ``host_mesh`` None: this machine).
+
+    ``loop`` is what every rank runs: a built-in ``workload``'s loop, or the user's training
+    function (``workload`` None). For a function, ``steps`` and ``global_batch`` are what its
+    ``ft.batches`` asks for, known once the ranks are set up (:meth:`learn_geometry`); until then
+    they are 0.
     """
 
-    workload: Workload
+    loop: Any  # monarch_nb.train.trainer.TrainingLoop
+    name: str
+    workload: Workload | None
     procs: int
     procs_per_host: int
     host_mesh: Any
@@ -51,6 +58,20 @@ class TrainOptions:
     pipeline: int
     snapshot_every: int | None
     snapshot_budget: float
+    num_samples: int = field(default=0)
+
+    def learn_geometry(self, num_samples: int, global_batch: int, steps: int) -> None:
+        """What the ranks' ``ft.batches`` asked for (a training function's run), checked as
+        :func:`make_options` checks a workload's.
+
+        Raises:
+            ValueError: fewer samples per step than ranks, or a fault at a step the run never reaches.
+        """
+        if global_batch < self.procs:
+            raise ValueError(f"batch_size {global_batch} is smaller than the {self.procs} ranks: every rank needs at "
+                             f"least one sample per step; use batch_size >= {self.procs}")
+        self.global_batch, self.steps, self.num_samples = global_batch, steps, num_samples
+        check_faults(self.faults, self.procs, steps)
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -106,7 +127,7 @@ def check_backend(backend: str | None) -> None:
 
 
 def make_options(
-    workload: "str | Workload" = "digits",
+    workload: "str | Workload | Callable[..., Any]" = "digits",
     procs: int = 4,
     steps: int = 300,
     faults: "list[str | FaultSpec | dict] | None" = None,
@@ -134,31 +155,55 @@ def make_options(
     snapshot_every: int | None = None,
     snapshot_budget: float = 0.005,
     hosts: Any = None,
+    args: tuple = (),
+    kwargs: dict | None = None,
 ) -> TrainOptions:
     """Check every option and build :class:`TrainOptions`; nothing is started.
 
+    ``workload`` is a built-in workload's name, a :class:`Workload`, or a training function
+    written with ``ft`` (run on every rank with ``args`` and ``kwargs``; its ``ft.batches``
+    decides the steps and the batch, so ``steps``, ``batch_size``, ``lr`` and ``text`` are not
+    taken then).
+
     Raises:
         ValueError: a bad value (the message names the option and the fix).
-        TypeError: ``hosts`` is not a HostMesh.
+        TypeError: ``hosts`` is not a HostMesh; a function given options only a workload takes.
         FileNotFoundError: the ``text`` file does not exist.
     """
     from ..config import config
+    from .trainer import TrainingLoop
+    from .workload_loop import workload_loop
 
     _positive_int("procs", procs)
     per_host = procs
     procs = per_host * _host_count(hosts)
-    _positive_int("steps", steps)
     check_backend(backend)
-    wl = get_workload(workload, text=text, seed=seed)
-    if procs > wl.num_train:
-        raise ValueError(f"{procs} procs but the {wl.name} training set has only {wl.num_train} samples; use fewer procs")
-    global_batch = batch_size or wl.default_batch
-    if global_batch < 1:
-        raise ValueError(f"batch_size must be positive, got {global_batch}")
-    if global_batch > wl.num_train:
-        raise ValueError(f"batch_size {global_batch} is larger than the {wl.name} training set ({wl.num_train} samples)")
     specs = [parse_fault(f) for f in (faults or [])]
-    check_faults(specs, procs, steps)
+    if callable(workload) and not isinstance(workload, (Workload, str)):
+        given = [name for name, value in (("batch_size", batch_size), ("lr", lr), ("text", text)) if value is not None]
+        if given:
+            raise TypeError(f"a training function decides its own {', '.join(given)} (ft.batches(..., batch_size=...), "
+                            "its optimizer): pass them as args=/kwargs= of the function instead")
+        loop = TrainingLoop(workload, tuple(args), kwargs)
+        wl, global_batch, lr_used = None, 0, 0.0
+        check_faults(specs, procs, None)
+        steps = 0
+    else:
+        _positive_int("steps", steps)
+        wl = get_workload(workload, text=text, seed=seed)
+        if procs > wl.num_train:
+            raise ValueError(f"{procs} procs but the {wl.name} training set has only {wl.num_train} samples; use fewer procs")
+        global_batch = batch_size or wl.default_batch
+        if global_batch < 1:
+            raise ValueError(f"batch_size must be positive, got {global_batch}")
+        if global_batch > wl.num_train:
+            raise ValueError(f"batch_size {global_batch} is larger than the {wl.name} training set ({wl.num_train} samples)")
+        if global_batch < procs:
+            raise ValueError(f"batch_size {global_batch} is smaller than the {procs} ranks: every rank needs at least "
+                             f"one sample per step; use batch_size >= {procs} or fewer procs")
+        check_faults(specs, procs, steps)
+        lr_used = lr or wl.default_lr
+        loop = TrainingLoop(workload_loop, (wl, lr_used, global_batch, steps), name=wl.name)
     if chaos_mtbf_s is not None:
         _positive_number("chaos_mtbf_s", chaos_mtbf_s)
     _positive_int("eval_every", eval_every, 0)
@@ -178,10 +223,11 @@ def make_options(
         collective_timeout_s = max(10.0, 4 * config.hang_timeout_s)
     _positive_number("collective_timeout_s", collective_timeout_s)
     return TrainOptions(
-        workload=wl, procs=procs, steps=steps, faults=specs, seed=seed, lr=lr or wl.default_lr,
+        loop=loop, name=loop.name, workload=wl, procs=procs, steps=steps, faults=specs, seed=seed, lr=lr_used,
         procs_per_host=per_host, host_mesh=hosts, global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s, chaos_kinds=tuple(chaos_kinds),
         eval_every=eval_every, collective_timeout_s=collective_timeout_s, restart_timeout_s=restart_timeout_s,
         chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         report_json=report_json, keep_parameters=keep_parameters, spares=spares, window_steps=window_steps,
         window_s=window_s, pipeline=pipeline, snapshot_every=snapshot_every, snapshot_budget=snapshot_budget,
+        num_samples=wl.num_train if wl is not None else 0,
     )

@@ -87,7 +87,7 @@ class _Progress:
         if tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, desc="setting up")
+            self.bar = tqdm(total=self.total or None, unit="step", dynamic_ncols=True, desc="setting up")
 
     def write(self, text: str) -> None:
         """A line above the bar, on stderr with it (stdout holds only the report)."""
@@ -144,6 +144,7 @@ class _Progress:
         step = item["step"]
         if not self.started:  # the rate from here on is training's, not set-up's
             self.started = True
+            self.total = self.run.options.steps  # a training function's is known once its ranks are set up
             self.t0 = time.monotonic()
             self.first_step = step
             self.next_line = step + 1 + max(1, self.total // 10)

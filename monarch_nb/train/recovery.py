@@ -344,9 +344,10 @@ class Membership:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- quorums ----------------------------------------------------------------------------------
-    def form_quorum(self) -> None:
+    def form_quorum(self, initial: bool = False) -> None:
         """Form a new quorum of the live ranks; retries without ranks that fail meanwhile. If every
         live rank fails meanwhile, returns with no quorum (the run then restores a snapshot).
+        ``initial``: the run's first quorum: its members take the lowest rank's model state.
 
         Raises:
             TrainingError: no quorum after 20 tries.
@@ -368,7 +369,8 @@ class Membership:
                     aborted.set()
                     self.store.set(f"quorum{quorum}/abort", "1")
 
-            futures = {r: self.trainers[r].init_quorum.call_one(quorum, ranks) for r in ranks}
+            source = ranks[0] if initial else None
+            futures = {r: self.trainers[r].init_quorum.call_one(quorum, ranks, source) for r in ranks}
             values, errors = wait_all(futures, o.collective_timeout_s + 5.0, self.run.stop_event, abort)
             if not errors:
                 self.members, self.broken = ranks, False

@@ -264,7 +264,7 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         steps=len(run.ledger),
         procs=o.procs,
         hosts=o.procs // o.procs_per_host,
-        workload=o.workload.name,
+        workload=o.name,
         backend=o.backend or _default_backend(),
         global_batch=o.global_batch,
         failures=[r.to_dict() for r in c.m.failures],

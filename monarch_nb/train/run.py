@@ -62,8 +62,12 @@ class TrainingRun:
         self.options = options
         self.metrics: list[dict] = []
         self.recoveries: list[dict] = []
-        self.order = SampleOrder(options.workload.num_train, options.global_batch, options.seed)
-        self.ledger = SampleLedger(self.order)
+        self.results: dict[int, Any] = {}
+        self.order: SampleOrder | None = None
+        self.ledger: SampleLedger | None = None
+        self.geometry_known = threading.Event()
+        if options.steps:  # a built-in workload: known now; a training function's, once set up
+            self.learn_geometry(options.num_samples, options.global_batch, options.steps)
         self.parameters: dict[int, dict] = {}
         self.phase_name = "starting"
         self.mesh_name = ""
@@ -156,6 +160,20 @@ class TrainingRun:
         return sorted(set(m.members) & set(m.live))
 
     # -- for the coordinator (training thread) --------------------------------------------------------
+    def learn_geometry(self, num_samples: int, global_batch: int, steps: int) -> None:
+        """The run's data: ``steps`` steps of ``global_batch`` of ``num_samples`` samples (a training
+        function's, from its ``ft.batches``). Builds the sample order and the ledger.
+
+        Raises:
+            ValueError: see :meth:`TrainOptions.learn_geometry`.
+        """
+        o = self.options
+        if not self.geometry_known.is_set():
+            o.learn_geometry(num_samples, global_batch, steps)
+            self.order = SampleOrder(num_samples, global_batch, o.seed)
+            self.ledger = SampleLedger(self.order)
+            self.geometry_known.set()
+
     def emit(self, item: dict) -> None:
         with self.lock:
             subscribers = list(self._subscribers)
@@ -276,7 +294,7 @@ def latest_checkpoint(directory: str) -> str | None:
 
 
 def start(
-    workload: "str | Workload" = "digits",
+    workload: "str | Workload | Callable[..., Any]" = "digits",
     procs: int = 4,
     steps: int = 300,
     faults: "list[str | FaultSpec | dict] | None" = None,
@@ -301,7 +319,7 @@ def start(
 
 
 def fit(
-    workload: "str | Workload" = "digits",
+    workload: "str | Workload | Callable[..., Any]" = "digits",
     procs: int = 4,
     steps: int = 300,
     faults: "list[str | FaultSpec | dict] | None" = None,
@@ -313,10 +331,13 @@ def fit(
     """Train with fault tolerance on a local mesh of ``procs`` worker processes; block until done.
 
     Args:
-        workload: "digits" (default), "charlm", or a :class:`~monarch_nb.train.workloads.Workload`
-            (e.g. ``Workload.custom(model_fn, (x, y), torch.nn.functional.cross_entropy)``).
+        workload: "digits" (default), "charlm", a :class:`~monarch_nb.train.workloads.Workload`
+            (e.g. ``Workload.custom(model_fn, (x, y), torch.nn.functional.cross_entropy)``), or
+            your own training function written with :mod:`monarch_nb.ft` (``ft.wrap``,
+            ``ft.batches``, ``ft.step``), run on every rank with ``args=`` / ``kwargs=``; its
+            ``ft.batches`` decides the steps and the global batch.
         procs: number of worker processes (data-parallel ranks); per host with ``hosts``.
-        steps: optimizer steps to commit.
+        steps: optimizer steps to commit (a built-in workload's; a function's are its own).
         faults: fault specs (``"kill@120:rank=2"``, see :mod:`monarch_nb.faults.spec`).
         seed: seeds the model init, the data order and the chaos schedule.
         progress: show a tqdm progress bar on stderr.

@@ -1,129 +1,148 @@
-"""The Trainer actor: one model replica per proc, running windows of steps on its own. Runs in procs.
+"""The Trainer actor: one replica per proc, running the training function window by window. Runs in procs.
 
 The controller (see :mod:`monarch_nb.train.coordinator`) decides membership; the trainer never
-does. It joins *quorums* (:meth:`Trainer.init_quorum`: one process group of the live ranks) and
-runs *windows* of consecutive steps without the controller in between (:meth:`Trainer.run_window`):
-the quorum and the data order are pure functions it already knows. Per step ``s``:
+does. The training *function* — the user's own loop written with :mod:`monarch_nb.train.ft`, or a
+built-in workload's (:mod:`.workload_loop`), which is the same kind of loop — runs on a loop thread
+of its own (:mod:`.trainer_loop`): :meth:`Trainer.setup` starts it and returns once it asks
+``ft.batches`` for its first step. From then on the controller sends *windows* of consecutive
+steps (:meth:`Trainer.run_window`): the loop thread runs the function's loop body for each step of
+the window — ``ft.batches`` yields this rank's part of the step's global batch (the quorum and the
+data order are pure functions it already knows), ``ft.step`` reduces and applies it
+(:mod:`.trainer_step`) — and parks at the window's end with one compact record per step. The
+controller never sits between two steps.
 
-1. compute the gradient of the summed loss over its shard of step ``s``'s global batch, straight
-   into a flat buffer (the parameters' ``.grad`` are views of it, as DDP's
-   ``gradient_as_bucket_view``), read its health in one pass (:func:`_grad_health`, that is
-   ``hip_ext.grad_health``: sum of squares, count of non-finite elements; a NaN is found on the rank
-   that produced it), and all-reduce (SUM) the buffer with four statistics at its end: loss
-   sum, sample count, correct count, non-finite count;
-2. if the reduced statistics say a rank's gradient was not finite, apply nothing and end the
-   window (status ``"nonfinite"``): every member sees the same reduced values, so every member
-   stops at the same step and the controller has them redo it;
-3. otherwise divide by the reduced sample count (the gradient averaged over the samples actually
-   used, for any split of the batch) and apply the update at once.
-
-**Commit.** Step ``s`` is committed as soon as one member's all-reduce of ``s`` completed: that
-proves every member computed and contributed its part of ``s``. A peer's failure during the
-all-reduce of ``s`` can leave the survivors one step apart (some completed ``s``, the others did
-not), never more: none can complete ``s+1`` without all the others. The two flat buffers
-alternate between steps, so a member still holds step ``s``'s reduced gradient while it works on
-``s+1``; a survivor that is behind receives it (:meth:`gradient` / :meth:`apply_gradient`) and
-applies the very same update — replicas stay bit-identical. If no survivor completed ``s``, the
-new quorum redoes ``s`` from the same parameters.
+The trainer joins *quorums* (:meth:`~.trainer_quorum.QuorumEndpoints.init_quorum`: one process
+group of the live ranks) and moves its state for heals, snapshots and checkpoints
+(:mod:`.trainer_state`): all of that runs on the actor thread while the loop thread is parked at a
+step boundary.
 
 A peer failure inside the collective ends the window with status ``"collective_failed"`` (the
-trainer is fine and waits for a new quorum); a later window of the old quorum is skipped. Any
-other error is the trainer's own failure and raises.
-
-Healing, snapshots and checkpoints move the state as one stream (:mod:`.trainer_state`,
-:mod:`.trainer_stream`, :mod:`.trainer_snapshot`).
+trainer is fine and waits for a new quorum); a later window of the old quorum is skipped. An
+error of the function itself ends its loop thread; the controller sees it as this rank's failure
+(an ``ActorError`` with the function's traceback) and restarts the rank.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
-import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..actor.endpoint import Actor, endpoint
-from ..faults.worker import take_nan
+from . import current
 from .data import SampleOrder, digest, shard_bounds
+from .trainer_loop import FINISH, LoopDriver, WindowOrder
 from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
-from .trainer_snapshot import SnapshotWriter
 from .trainer_state import StateEndpoints
-from .trainer_stream import Incoming
-from .workloads import Workload
+from .trainer_step import Stepping
 
-__all__ = ["Trainer", "CollectiveError", "QuorumAborted"]
+__all__ = ["Trainer", "TrainingLoop", "CollectiveError", "QuorumAborted"]
 
 log = logging.getLogger(__name__)
 
-#: reduced statistics at the end of the flat buffer: loss sum, samples, correct, non-finite count
-_STATS = 4
 
+class TrainingLoop:
+    """What a Trainer runs: ``fn(*args, **kwargs)``, a loop written with ``ft`` (pickled to the
+    procs; cloudpickle takes a function defined in a notebook cell by value).
 
-def _grad_health(grads: list) -> tuple[float, int]:
-    """``(sum of squares of the finite elements, number of non-finite elements)`` of ``grads``
-    (a list of float tensors), read before the all-reduce: ``hip_ext.grad_health``, one pass."""
-    from hip_ext import grad_health
+    Args:
+        fn: the training function.
+        args, kwargs: its arguments.
+        name: for messages and the report (default: the function's name).
+    """
 
-    sum_sq, nonfinite = grad_health(grads).tolist()
-    return sum_sq, int(nonfinite)
+    def __init__(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, name: str = ""):
+        if not callable(fn):
+            raise TypeError(f"a training function must be callable, got {type(fn).__name__}")
+        self.fn, self.args, self.kwargs = fn, tuple(args), dict(kwargs or {})
+        self.name = name or getattr(fn, "__name__", "train")
 
 
 def _params_checksum(state: dict) -> str:
-    """16 hex digits: BLAKE2b-64 of each tensor's name, dtype, shape and ``hip_ext.checksum`` (a
-    64-bit hash of its bytes, computed on its own device, no copy to the host), in order."""
+    """16 hex digits: BLAKE2b-64 of each entry's name and, for a tensor, its dtype, shape and
+    ``hip_ext.checksum`` (a 64-bit hash of its bytes, computed on its own device, no copy to the
+    host), for anything else its repr, in order (nested dicts flattened by dotted names)."""
     import hashlib
 
+    import torch
     from hip_ext import checksum
 
     h = hashlib.blake2b(digest_size=8)
-    for name, t in state.items():
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{checksum(t)}\n".encode())
+
+    def feed(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            h.update(f"{prefix}|{obj.dtype}|{tuple(obj.shape)}|{checksum(obj)}\n".encode())
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                feed(f"{prefix}.{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                feed(f"{prefix}[{i}]", v)
+        else:
+            h.update(f"{prefix}={obj!r}\n".encode())
+
+    for name, value in state.items():
+        feed(name, value)
     return h.hexdigest()
 
 
-class Trainer(QuorumEndpoints, StateEndpoints, Actor):
-    """One data-parallel replica. Built light on every proc; :meth:`setup` makes it a replica.
-    Joining quorums is :class:`~.trainer_quorum.QuorumEndpoints`; its heal, snapshot and checkpoint
-    endpoints are :class:`~.trainer_state.StateEndpoints`.
+class _Window:
+    """The window the loop thread runs: steps ``start .. start+count-1`` and their records."""
+
+    def __init__(self, rank: int, order: WindowOrder, writer: Any):
+        self.order, self.writer = order, writer
+        self.cursor, self.end = order.start, order.start + order.count
+        self.finished = False
+        self.t_step = 0.0
+        self.out: dict[str, Any] = {"rank": rank, "quorum": order.quorum, "start": order.start, "status": "ok",
+                                    "failed_step": None, "error": "", "local_nonfinite": False,
+                                    "loss": [], "accuracy": [], "digest": [], "step_ms": [], "grad_norm": []}
+
+    def end_with(self, status: str, step: int | None, error: str) -> None:
+        self.out.update(status=status, failed_step=step, error=error)
+        self.finished = True
+
+
+class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
+    """One data-parallel replica running a :class:`TrainingLoop`. Built light on every proc;
+    :meth:`setup` starts the loop. Joining quorums is :class:`~.trainer_quorum.QuorumEndpoints`;
+    heal, snapshot and checkpoint endpoints are :class:`~.trainer_state.StateEndpoints`; the
+    step itself is :class:`~.trainer_step.Stepping`.
 
     Args:
-        workload: what to train (pickled from the controller).
-        seed: seeds torch before the model is built, so every replica starts identical.
-        lr: learning rate.
-        global_batch: samples per step over all ranks.
+        loop: what to run.
+        seed: seeds torch, numpy and random before the function starts (so every replica builds
+            the same model), and the data order.
         store_host, store_port: the controller's rendezvous TCPStore.
         backend: "gloo", "nccl" or None (gloo on CPU, nccl on CUDA and on ROCm where nccl is RCCL).
         collective_timeout_s: timeout of rendezvous and collectives, seconds.
         chunk_bytes: largest piece of state sent per heal message, bytes.
     """
 
-    def __init__(
-        self,
-        workload: Workload,
-        seed: int,
-        lr: float,
-        global_batch: int,
-        store_host: str,
-        store_port: int,
-        backend: str | None = None,
-        collective_timeout_s: float = 10.0,
-        chunk_bytes: int = 4 << 20,
-    ):
-        # Light on purpose: the actor is built on every proc at once (and again by a restart), the
-        # heavy part (torch, data, model) is :meth:`setup`, a call like any other that can fail
-        # on one rank without the others.
-        self._config = (workload, seed, lr, global_batch, store_host, store_port, backend, collective_timeout_s,
-                        chunk_bytes)
+    def __init__(self, loop: TrainingLoop, seed: int, store_host: str, store_port: int, backend: str | None = None,
+                 collective_timeout_s: float = 10.0, chunk_bytes: int = 4 << 20):
+        # Light on purpose: the actor is built on every proc at once (and again by a restart); the
+        # function starts in :meth:`setup`, a call like any other that can fail on one rank.
+        self._config = (loop, seed, backend)
+        self.store_host, self.store_port = store_host, store_port
+        self.collective_timeout_s = collective_timeout_s
+        self.chunk_bytes = chunk_bytes
         self.rank = int(os.environ.get("RANK", "0"))
         self._ready = False
 
     @endpoint
     def setup(self) -> dict:
-        """Load the data, build the model and optimizer (seeded: every replica starts identical).
-        Idempotent. Returns ``{"rank", "setup_ms", "next_step"}``."""
+        """Start the training function; return once it asks ``ft.batches`` for its first step.
+        Idempotent. Returns ``{"rank", "setup_ms", "next_step", "num_samples", "global_batch",
+        "steps", "evaluator" (bool), "name"}``: what the function's ``ft.batches`` asked for.
+
+        Raises:
+            the function's own error, if it fails before its first step;
+            RuntimeError: it did not call ``ft.wrap`` before ``ft.batches``, or returned first.
+        """
         import hip_ext
         import numpy as np
         import torch
@@ -132,9 +151,8 @@ class Trainer(QuorumEndpoints, StateEndpoints, Actor):
 
         t0 = time.monotonic()
         if self._ready:
-            return {"rank": self.rank, "setup_ms": 0.0, "next_step": self.next_step}
-        (workload, seed, lr, global_batch, store_host, store_port, backend, collective_timeout_s,
-         chunk_bytes) = self._config
+            return self._setup_info(t0)
+        loop, seed, backend = self._config
         hip_ext.load()  # compiled grad_health / checksum kernels; the pure-torch ones, with a log line, if none
         # the runtime shares each machine's cores among the procs on it (hosts on one machine too)
         threads = os.environ.get("MONARCH_NB_CPU_THREADS")
@@ -144,58 +162,124 @@ class Trainer(QuorumEndpoints, StateEndpoints, Actor):
         self.device = device_mod.device() if self.backend == "nccl" else torch.device("cpu")
         if self.backend == "gloo" and sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # collectives stay on 127.0.0.1
-        self.workload = workload
-        workload.setup()
-        self.order = SampleOrder(workload.num_train, global_batch, seed)
+        self.seed = seed
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % (2**32))
-        self.model = workload.build_model().to(self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = workload.build_optimizer(self.params, lr)
-        self.store_host, self.store_port = store_host, store_port
-        self.collective_timeout_s = collective_timeout_s
-        self.chunk_bytes = chunk_bytes
         self._store = None
-        self._quorum = -1
-        self._ranks: list[int] = []
-        self._pos = 0
-        self._world = 0
+        self._quorum, self._ranks, self._pos, self._world = -1, [], 0, 0
         self._pg_ready = False
         self._broken = True  # no quorum yet
-        self.applied_steps = 0  # updates applied to the parameters
-        self.next_step = 0  # the step whose update comes next
-        # two flat gradient buffers, alternating by step parity; .grad of each parameter is a view
-        self._n = sum(p.numel() for p in self.params)
-        self._direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in self.params)
-        self._bufs = [torch.zeros(self._n + _STATS, dtype=torch.float32, device=self.device) for _ in range(2)]
-        self._views = [self._param_views(buf) for buf in self._bufs]
-        self._reduced_step = [-1, -1]  # which step's averaged gradient each buffer holds
-        self._grads = [buf[: self._n] for buf in self._bufs]
-        self._tails = [buf[self._n :] for buf in self._bufs]
-        self._stats = torch.zeros(_STATS, dtype=torch.float32)
-        self._stats_np = self._stats.numpy()
+        self.model = self.optimizer = None
+        self.registered = {}
+        self.evaluator: Callable[[], dict] | None = None
+        self.order: SampleOrder | None = None
+        self._data: Any = None
+        self._steps = 0
+        self._window: _Window | None = None
+        self._pending: int | None = None
+        self._pending_samples = 0
         self._step_ms_avg: float | None = None
-        self._local_nonfinite = False
-        self._kill_in_collective_at: int | None = None
-        self._incoming: Incoming | None = None
-        self._outgoing: list = []
-        self._writer: SnapshotWriter | None = None
+        self._incoming = None
+        self._outgoing = []
+        self._writer = None
+        current.trainer = self
+        self._driver = LoopDriver(loop.fn, loop.args, loop.kwargs, loop.name)
+        self._driver.start(self.collective_timeout_s * 6 + 60.0)
+        if self.model is None:
+            raise RuntimeError("the training function asked ft.batches for a step before ft.wrap(model, optimizer)")
         self._ready = True
-        return {"rank": self.rank, "setup_ms": (time.monotonic() - t0) * 1e3, "next_step": self.next_step}
+        return self._setup_info(t0)
 
-    def _param_views(self, buf) -> list:
-        views, offset = [], 0
-        for p in self.params:
-            views.append(buf[offset : offset + p.numel()].view_as(p) if self._direct else None)
-            offset += p.numel()
-        return views
+    def _setup_info(self, t0: float) -> dict:
+        return {"rank": self.rank, "setup_ms": (time.monotonic() - t0) * 1e3, "next_step": self.next_step,
+                "num_samples": self.order.num_samples if self.order else 0,
+                "global_batch": self.order.global_batch if self.order else 0, "steps": self._steps,
+                "evaluator": self.evaluator is not None, "name": self._driver.name}
 
-    # -- windows of steps -----------------------------------------------------------------------
+    # -- the loop thread's side (called from ft) ----------------------------------------------------
+    def _bind_data(self, data: Any, global_batch: int, steps: int) -> None:
+        if self._data is not None:
+            raise RuntimeError("one ft.batches loop per run of the training function")
+        self._data, self._steps = data, steps
+        self.order = SampleOrder(data.num_samples, global_batch, self.seed)
+
+    def _shard(self, step: int) -> Any:
+        batch = self.order.batch(step)
+        lo, hi = shard_bounds(len(batch), self._world, self._pos)
+        return batch[lo:hi]
+
+    def _next_step(self) -> int | None:
+        """The next step for ``ft.batches`` to yield; parks at a window's end; None once the run ends."""
+        if self._pending is not None:
+            raise RuntimeError(f"step {self._pending} was not ended: call ft.step(optimizer) once for every "
+                               "batch ft.batches gives")
+        while True:
+            w = self._window
+            if w is None or w.finished:
+                order = self._driver.park(self._reply(w) if w is not None else None)
+                if order == FINISH:
+                    self._window = None
+                    return None
+                self._window = self._open(order)
+                continue
+            if w.cursor >= w.end:
+                w.finished = True
+                continue
+            step = w.cursor
+            if w.writer is not None and w.writer.due(step):
+                self._snapshot(w.writer)
+            w.t_step = time.perf_counter()
+            self._begin_step(step)
+            self._pending = step
+            return step
+
+    def _open(self, order: WindowOrder) -> _Window:
+        w = _Window(self.rank, order, self._snapshot_writer(order.snapshot))
+        if order.quorum != self._quorum or self._broken or order.start != self.next_step:
+            w.end_with("skipped", None, f"rank {self.rank} is in quorum {self._quorum} (broken: {self._broken}) at "
+                                        f"step {self.next_step}; asked for quorum {order.quorum} at step {order.start}")
+        else:
+            self._data.prefetch([self._shard(s) for s in range(order.start, order.start + order.count)])
+        return w
+
+    def _end_step(self, loss: float | None, correct: int | None) -> None:
+        """``ft.step``: reduce and apply the pending step, record it in the window."""
+        step, self._pending = self._pending, None
+        if step is None:
+            raise RuntimeError("ft.step without a batch: call it once per (step, batch) of ft.batches")
+        w = self._window
+        indices = self._shard(step)
+        try:
+            rec = self._reduce_and_apply(step, len(indices), loss, correct, step in w.order.split)
+        except CollectiveError as exc:
+            w.end_with("collective_failed", step, str(exc))
+            return
+        if rec is None:
+            w.end_with("nonfinite", step, f"the reduced gradient of step {step} is not finite")
+            w.out["local_nonfinite"] = self._local_nonfinite
+            return
+        ms = (time.perf_counter() - w.t_step) * 1e3
+        self._step_ms_avg = ms if self._step_ms_avg is None else 0.9 * self._step_ms_avg + 0.1 * ms
+        out = w.out
+        out["loss"].append(rec[0])
+        out["accuracy"].append(rec[1])
+        out["digest"].append(digest(indices))
+        out["grad_norm"].append(rec[2])
+        out["step_ms"].append(ms)
+        w.cursor = step + 1
+
+    def _reply(self, w: _Window) -> dict:
+        out = dict(w.out)
+        out.update(next_step=self.next_step, applied_steps=self.applied_steps,
+                   snapshots=self._writer.take_published() if self._writer is not None else [])
+        return out
+
+    # -- the controller's side ---------------------------------------------------------------------
     @endpoint
     def run_window(self, quorum: int, start: int, count: int, split: list | None = None,
                    snapshot: dict | None = None) -> dict:
-        """Run steps ``start .. start+count-1`` in quorum ``quorum``, applying each at once.
+        """Run steps ``start .. start+count-1`` of the training function in quorum ``quorum``.
 
         Args:
             split: steps whose all-reduce goes in two pieces (every member gets the same list).
@@ -206,179 +290,31 @@ class Trainer(QuorumEndpoints, StateEndpoints, Actor):
             "skipped", "failed_step" (int or None), "error" (str), "local_nonfinite" (bool: this
             rank's own gradient was not finite), "next_step", "applied_steps", "loss", "accuracy",
             "digest", "step_ms", "grad_norm" (lists, one item per step applied in this window:
-            mean loss per sample, batch accuracy or None, :func:`~monarch_nb.train.data.digest`
-            of this rank's sample ids, milliseconds, L2 norm of this rank's local gradient),
-            "snapshots" (published since the last window)}``. ``"skipped"``: not this rank's
-            quorum any more, or not its next step (a window queued behind one that stopped).
-        """
-        out: dict[str, Any] = {"rank": self.rank, "quorum": quorum, "start": start, "status": "ok",
-                               "failed_step": None, "error": "", "local_nonfinite": False}
-        losses: list = []
-        accuracies: list = []
-        digests: list = []
-        step_ms: list = []
-        norms: list = []
-        if quorum != self._quorum or self._broken or start != self.next_step:
-            out["status"] = "skipped"
-            out["error"] = (f"rank {self.rank} is in quorum {self._quorum} (broken: {self._broken}) at step "
-                            f"{self.next_step}; asked for quorum {quorum} at step {start}")
-        else:
-            writer = self._snapshot_writer(snapshot)
-            splits = set(split or ())
-            self.model.train()
-            for step in range(start, start + count):
-                if writer is not None and writer.due(step):
-                    self._snapshot(writer)
-                t0 = time.perf_counter()
-                try:
-                    rec = self._step(step, step in splits)
-                except CollectiveError as exc:
-                    out.update(status="collective_failed", failed_step=step, error=str(exc))
-                    break
-                if rec is None:
-                    out.update(status="nonfinite", failed_step=step, local_nonfinite=self._local_nonfinite,
-                               error=f"the reduced gradient of step {step} is not finite")
-                    break
-                ms = (time.perf_counter() - t0) * 1e3
-                self._step_ms_avg = ms if self._step_ms_avg is None else 0.9 * self._step_ms_avg + 0.1 * ms
-                losses.append(rec[0])
-                accuracies.append(rec[1])
-                digests.append(rec[2])
-                norms.append(rec[3])
-                step_ms.append(ms)
-        out.update(next_step=self.next_step, applied_steps=self.applied_steps, loss=losses, accuracy=accuracies,
-                   digest=digests, step_ms=step_ms, grad_norm=norms,
-                   snapshots=self._writer.take_published() if self._writer is not None else [])
-        return out
-
-    def _step(self, step: int, split: bool) -> tuple | None:
-        """One step; returns ``(loss, batch accuracy, digest, grad norm)``, or None if the reduced
-        gradient is not finite (nothing applied).
+            mean loss per sample or None, batch accuracy or None,
+            :func:`~monarch_nb.train.data.digest` of this rank's sample ids, milliseconds from
+            the batch to the applied update, L2 norm of this rank's local gradient), "snapshots"
+            (published since the last window)}``. ``"skipped"``: not this rank's quorum any
+            more, or not its next step (a window queued behind one that stopped).
 
         Raises:
-            CollectiveError: a peer failed during the all-reduce.
+            the training function's own error (it raised in this window, or before).
         """
-        which = step & 1
-        buf, grads, tail = self._bufs[which], self._grads[which], self._tails[which]
-        batch = self.order.batch(step)
-        lo, hi = shard_bounds(len(batch), self._world, self._pos)
-        indices = batch[lo:hi]
-        buf.zero_()
-        if self._direct:
-            for p, view in zip(self.params, self._views[which]):
-                p.grad = view
-        else:
-            for p in self.params:
-                p.grad = None
-        loss_value, correct = 0.0, 0
-        if len(indices):
-            inputs, targets = self.workload.train_batch(indices)
-            loss_sum, correct = self.workload.loss_sum(self.model, inputs.to(self.device), targets.to(self.device))
-            loss_sum.backward()
-            loss_value = loss_sum.detach().item()
-        if not self._direct:
-            self._gather_grads(grads)
-        if take_nan():
-            grads[0] = float("nan")
-        sum_sq, nonfinite = _grad_health([grads])
-        self._local_nonfinite = nonfinite > 0
-        stats = self._stats_np  # a numpy view of a CPU tensor: four assignments cost no torch call
-        stats[0], stats[1], stats[2], stats[3] = loss_value, len(indices), correct or 0, nonfinite
-        tail.copy_(self._stats)
-        self._all_reduce(buf, step, split)
-        loss_total, count, correct_total, nonfinite_total = tail.tolist()
-        if nonfinite_total > 0 or not math.isfinite(loss_total):
-            return None
-        grads.div_(count)
-        self._apply(which, step, set_grads=not self._direct)
-        accuracy = correct_total / count if self.workload.classification else None
-        return loss_total / count, accuracy, digest(indices), math.sqrt(sum_sq)
+        order = WindowOrder(quorum, start, count, frozenset(split or ()), snapshot)
+        return self._driver.run(order, timeout_s=self.collective_timeout_s + 10 * count + 60.0)
 
-    def _gather_grads(self, grads) -> None:
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is not None:
-                grads[offset : offset + n].copy_(p.grad.reshape(-1))
-            offset += n
-
-    def _apply(self, which: int, step: int, set_grads: bool = True) -> None:
-        """Apply the averaged gradient in buffer ``which`` as step ``step``'s update."""
-        if not set_grads:
-            pass
-        elif self._direct:
-            for p, view in zip(self.params, self._views[which]):
-                p.grad = view
-        else:
-            grads, offset = self._bufs[which], 0
-            for p in self.params:
-                n = p.numel()
-                p.grad = grads[offset : offset + n].view(p.shape).to(p.dtype)
-                offset += n
-        self.optimizer.step()
-        self._reduced_step[which] = step
-        self.applied_steps += 1
-        self.next_step = step + 1
-
-    def _all_reduce(self, buf, step: int, split: bool) -> None:
-        import torch.distributed as dist
-
-        if self._world <= 1:
-            return
-        pieces = buf.tensor_split(2) if split else (buf,)
-        error = None
+    @endpoint
+    def finish(self) -> Any:
+        """End the run here: ``ft.batches`` stops, the function runs to its end; returns what it
+        returned (e.g. ``ft.report()``), or None if that cannot be pickled."""
+        value = self._driver.run(FINISH, timeout_s=self.collective_timeout_s + 30.0)
         try:
-            for i, piece in enumerate(pieces):
-                if i == 1 and self._kill_in_collective_at == step:
-                    os.kill(os.getpid(), signal.SIGKILL)  # a real death between buckets of the reduction
-                dist.all_reduce(piece, op=dist.ReduceOp.SUM)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if error is not None:
-            # Close this group's connections now: in a ring only the dead rank's neighbours see the
-            # reset, the others wait on them and are released by this close. The exception's
-            # traceback holds the group, so it is dropped (end of the except block) before the
-            # group is destroyed (freed by refcount: no gc.collect, which costs ~0.4 s here).
-            self._broken = True
-            self._leave_group()
-            raise CollectiveError(f"rank {self.rank}: all_reduce of step {step} failed: {error}")
+            import cloudpickle
 
-    @endpoint
-    def arm_kill_in_collective(self, step: int) -> None:
-        """SIGKILL this proc in the middle of step ``step``'s gradient reduction (the step must be
-        in the window's ``split`` list)."""
-        self._kill_in_collective_at = step
+            cloudpickle.dumps(value)
+        except Exception:
+            return None
+        return value
 
-    # -- catching up after a failure ------------------------------------------------------------
-    @endpoint
-    def gradient(self, step: int):
-        """The averaged gradient this rank applied as step ``step`` (a flat float32 CPU tensor).
-
-        Raises:
-            LookupError: it no longer holds it (only the last two steps' are kept).
-        """
-        which = step & 1
-        if self._reduced_step[which] != step:
-            raise LookupError(f"rank {self.rank} no longer holds the gradient of step {step}")
-        return self._bufs[which][: self._n].detach().cpu().clone()
-
-    @endpoint
-    def apply_gradient(self, step: int, flat) -> dict:
-        """Apply ``flat`` (from :meth:`gradient` of a peer) as step ``step``, the next one here.
-
-        Returns ``{"rank", "next_step", "applied_steps"}``.
-
-        Raises:
-            RuntimeError: ``step`` is not this rank's next step.
-        """
-        if step != self.next_step:
-            raise RuntimeError(f"rank {self.rank} is at step {self.next_step}; cannot apply step {step}")
-        which = step & 1
-        self._bufs[which][: self._n].copy_(flat.to(self.device))
-        self._apply(which, step)
-        return {"rank": self.rank, "next_step": self.next_step, "applied_steps": self.applied_steps}
-
-    # -- inspection -----------------------------------------------------------------------------
     @endpoint
     def status(self) -> dict:
         """``{"rank", "next_step", "applied_steps", "quorum", "broken"}``."""
@@ -387,13 +323,15 @@ class Trainer(QuorumEndpoints, StateEndpoints, Actor):
 
     @endpoint
     def checksum(self) -> dict:
-        """Checksum of the model's parameters and buffers.
+        """Checksum of the replica: parameters, buffers, optimizer state, registered state.
 
         Returns ``{"rank", "params_checksum" (str, 16 hex digits: see :func:`_params_checksum`),
         "applied_steps", "next_step"}``. Equal on two replicas exactly when (barring a 64-bit
-        collision) their state dicts are bit-identical, on any device.
+        collision) all of that is bit-identical, on any device.
         """
-        return {"rank": self.rank, "params_checksum": _params_checksum(self.model.state_dict()),
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "registered": {name: obj.state_dict() for name, obj in self.registered.items()}}
+        return {"rank": self.rank, "params_checksum": _params_checksum(state),
                 "applied_steps": self.applied_steps, "next_step": self.next_step}
 
     @endpoint
@@ -403,23 +341,21 @@ class Trainer(QuorumEndpoints, StateEndpoints, Actor):
 
     @endpoint
     def evaluate(self) -> dict:
-        """Loss and accuracy on the workload's test set: ``{"test_loss", "test_accuracy" (or None),
-        "test_samples", "next_step"}``."""
-        import torch
-
+        """The registered evaluator's figures (``ft.evaluator``): ``{"test_loss", "test_accuracy"
+        (or None), "next_step"}``; None figures when the function registered none."""
+        if self.evaluator is None:
+            return {"test_loss": None, "test_accuracy": None, "next_step": self.next_step}
+        was_training = self.model.training
         self.model.eval()
-        loss = correct = n = 0.0
-        with torch.no_grad():
-            for inputs, targets in self.workload.test_batches():
-                ls, c = self.workload.loss_sum(self.model, inputs.to(self.device), targets.to(self.device))
-                loss += float(ls)
-                correct += float(c or 0)
-                n += len(targets)
-        self.model.train()
-        if not n:
-            return {"test_loss": None, "test_accuracy": None, "test_samples": 0, "next_step": self.next_step}
-        acc = correct / n if self.workload.classification else None
-        return {"test_loss": loss / n, "test_accuracy": acc, "test_samples": int(n), "next_step": self.next_step}
+        try:
+            import torch
+
+            with torch.no_grad():
+                figures = dict(self.evaluator())
+        finally:
+            self.model.train(was_training)
+        return {"test_loss": figures.get("test_loss"), "test_accuracy": figures.get("test_accuracy"),
+                "next_step": self.next_step}
 
     def __cleanup__(self, exc: Any) -> None:
         if not self._ready:

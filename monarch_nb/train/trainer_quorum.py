@@ -75,7 +75,7 @@ def _abortable_store(real, base, abort_key: str, timeout_s: float):
 
 class QuorumEndpoints:
     """Joining and leaving quorums. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which
-    provides ``rank``, ``backend``, ``store_host``, ``store_port``, ``collective_timeout_s``."""
+    provides ``rank``, ``model``, ``backend``, ``store_host``, ``store_port``, ``collective_timeout_s``."""
 
     _store = None
     _pg_ready = False
@@ -90,13 +90,15 @@ class QuorumEndpoints:
         return self._store
 
     @endpoint
-    def init_quorum(self, quorum: int, ranks: list[int]) -> dict:
+    def init_quorum(self, quorum: int, ranks: list[int], broadcast_from: int | None = None) -> dict:
         """Join quorum ``quorum`` of ``ranks`` (proc ranks; this one among them).
 
         Builds a new process group under the store prefix ``quorum<quorum>/`` after a barrier; the
         controller can abort both (key ``quorum<quorum>/abort``), so a peer that fails meanwhile
-        never holds the others for the rendezvous timeout. Returns ``{"rank", "quorum",
-        "init_ms", "next_step"}``.
+        never holds the others for the rendezvous timeout. With ``broadcast_from`` (the first
+        quorum of a run), every member then takes that rank's model state (as DDP does when it
+        is built): replicas start identical whatever the training function's initialisation.
+        Returns ``{"rank", "quorum", "init_ms", "next_step"}``.
 
         Raises:
             QuorumAborted: the controller aborted the quorum.
@@ -128,6 +130,9 @@ class QuorumEndpoints:
                 timeout=timedelta(seconds=self.collective_timeout_s),
             )
             self._pg_ready = True
+            if broadcast_from is not None:
+                for tensor in self.model.state_dict().values():
+                    dist.broadcast(tensor, src=ranks.index(broadcast_from))
         self._quorum, self._ranks = quorum, ranks
         self._pos, self._world = ranks.index(self.rank), len(ranks)
         self._broken = False

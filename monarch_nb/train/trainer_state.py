@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class StateEndpoints:
     """The Trainer's endpoints that move its state: heal (donor and joiner), snapshots, disk
     checkpoints, memory. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which provides
-    ``model``, ``optimizer``, ``device``, ``rank``, ``chunk_bytes``, ``applied_steps``,
-    ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg`` and ``_leave_group()``."""
+    ``model``, ``optimizer``, ``registered``, ``device``, ``rank``, ``chunk_bytes``,
+    ``applied_steps``, ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg``,
+    ``_leave_group()`` and ``_forget_attempt()``."""
 
     _writer: SnapshotWriter | None = None
     _incoming: Incoming | None = None
@@ -40,7 +41,7 @@ class StateEndpoints:
     @endpoint
     def state_manifest(self) -> dict:
         """Describe this rank's state for a joiner (see :func:`manifest`); pins it until :meth:`state_done`."""
-        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
+        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank, self.registered)
         self._outgoing = [bytes_view(t) for t in tensors]
         return manifest(self._outgoing, skeleton, meta, self.chunk_bytes)
 
@@ -78,12 +79,13 @@ class StateEndpoints:
         inc, self._incoming = self._incoming, None
         if inc is None:
             raise RuntimeError("load_end before load_begin")
-        meta = inc.finish(self.model, self.optimizer)
+        meta = inc.finish(self.model, self.optimizer, self.registered)
         return self._loaded(meta, inc.manifest["sha256"])
 
     def _loaded(self, meta: dict, sha256: str) -> dict:
         self.applied_steps, self.next_step = meta["applied_steps"], meta["next_step"]
         self._reduced_step = [-1, -1]
+        self._forget_attempt()
         return {"rank": self.rank, "applied_steps": self.applied_steps, "next_step": self.next_step, "sha256": sha256}
 
     # -- snapshots (outside the trainers, in shared memory) -------------------------------------
@@ -97,7 +99,7 @@ class StateEndpoints:
 
     def _snapshot(self, writer: SnapshotWriter) -> None:
         t0 = time.perf_counter()
-        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
+        tensors, skeleton, meta = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank, self.registered)
         try:
             writer.capture(tensors, skeleton, meta, self._step_ms_avg, t_begin=t0)
         except OSError as exc:  # /dev/shm full or gone: training goes on without this snapshot
@@ -118,7 +120,7 @@ class StateEndpoints:
         self._broken = True
         inc = Incoming(man, self.model, self.device)
         inc.write(0, [payload])
-        meta = inc.finish(self.model, self.optimizer)
+        meta = inc.finish(self.model, self.optimizer, self.registered)
         return dict(self._loaded(meta, man["sha256"]), restore_ms=(time.monotonic() - t0) * 1e3)
 
     # -- disk checkpoints (full-job restarts only) ----------------------------------------------
@@ -133,6 +135,7 @@ class StateEndpoints:
             return {"path": None, "next_step": self.next_step}
         tmp = f"{path}.tmp{os.getpid()}"
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "registered": {name: obj.state_dict() for name, obj in self.registered.items()},
                     "applied_steps": self.applied_steps, "next_step": self.next_step}, tmp)
         os.replace(tmp, path)
         return {"path": path, "next_step": self.next_step}
@@ -145,8 +148,12 @@ class StateEndpoints:
         state = torch.load(path, weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self.registered.items():
+            if name in state.get("registered", {}):
+                obj.load_state_dict(state["registered"][name])
         self.applied_steps, self.next_step = state["applied_steps"], state["next_step"]
         self._reduced_step = [-1, -1]
+        self._forget_attempt()
         return self.next_step
 
     @endpoint
@@ -154,7 +161,7 @@ class StateEndpoints:
         """``{"rss_bytes", "peak_rss_bytes", "state_bytes"}`` of this proc."""
         import resource
 
-        tensors, _, _ = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank)
+        tensors, _, _ = capture(self.model, self.optimizer, self.applied_steps, self.next_step, self.rank, self.registered)
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

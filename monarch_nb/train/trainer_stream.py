@@ -1,7 +1,9 @@
 """A trainer's full state as one byte stream: capture, describe, receive. Runs in procs.
 
-The state of a replica is its model's state dict, its optimizer's state dict, its counters
-(updates applied, next step = data position) and its RNG states. :func:`capture` lays it out as
+The state of a replica is its model's state dict (parameters and buffers), its optimizer's
+state dict, the state dicts of what the loop registered (``ft.register``: LR schedulers, a
+GradScaler, a stateful sampler), its counters (updates applied, next step = data position) and
+its RNG states. :func:`capture` lays it out as
 a *skeleton* (the two state dicts with each tensor replaced by a :class:`TensorSlot`) plus the
 list of tensors; the stream is the tensors' bytes, in order. A :func:`manifest` describes a stream
 (skeleton, counters, size, SHA-256); :class:`Incoming` rebuilds a state from one, writing the
@@ -32,9 +34,11 @@ class TensorSlot:
 
 
 # -- the state as a stream ------------------------------------------------------------------------
-def capture(model, optimizer, applied_steps: int, next_step: int, rank: int) -> tuple[list, dict, dict]:
+def capture(model, optimizer, applied_steps: int, next_step: int, rank: int,
+            registered: dict | None = None) -> tuple[list, dict, dict]:
     """``(tensors, skeleton, meta)`` of a replica's state: the live tensors (not copies), the state
-    dicts with tensors replaced by :class:`TensorSlot`, and the counters and RNG states."""
+    dicts (model, optimizer, each of ``registered``: name -> object with ``state_dict``) with
+    tensors replaced by :class:`TensorSlot`, and the counters and RNG states."""
     import numpy as np
     import torch
 
@@ -50,7 +54,8 @@ def capture(model, optimizer, applied_steps: int, next_step: int, rank: int) -> 
             return type(obj)(strip(v) for v in obj)
         return obj
 
-    skeleton = {"model": strip(model.state_dict()), "optimizer": strip(optimizer.state_dict())}
+    skeleton = {"model": strip(model.state_dict()), "optimizer": strip(optimizer.state_dict()),
+                "registered": {name: strip(obj.state_dict()) for name, obj in (registered or {}).items()}}
     meta = {
         "applied_steps": applied_steps,
         "next_step": next_step,
@@ -161,6 +166,7 @@ class Incoming:
 
         collect(manifest["skeleton"]["model"], own)
         collect(manifest["skeleton"]["optimizer"], None)
+        collect(manifest["skeleton"].get("registered", {}), None)
         targets.sort(key=lambda t: t[0])
         self.tensors = [t for _, t in targets]
         self.views = [bytes_view(t, writable=True) for t in self.tensors]
@@ -181,11 +187,13 @@ class Incoming:
             self.offset += len(piece)
         return self.offset
 
-    def finish(self, model, optimizer) -> dict:
-        """Check size and SHA-256, then load the state; returns the manifest's ``meta``.
+    def finish(self, model, optimizer, registered: dict | None = None) -> dict:
+        """Check size and SHA-256, then load the state (into ``registered`` too: name -> object
+        with ``load_state_dict``); returns the manifest's ``meta``.
 
         Raises:
-            ValueError: the size or the checksum does not match the manifest.
+            ValueError: the size or the checksum does not match the manifest, or the stream's
+                registered names are not the ones registered here.
         """
         import numpy as np
         import torch
@@ -209,8 +217,15 @@ class Incoming:
                 return type(skel)(fill(v) for v in skel)
             return skel
 
+        theirs = manifest["skeleton"].get("registered", {})
+        mine = registered or {}
+        if set(theirs) != set(mine):
+            raise ValueError(f"state from rank {meta['donor']} has registered state {sorted(theirs)}, this rank "
+                             f"{sorted(mine)}: every rank must ft.register the same names")
         model.load_state_dict(fill(manifest["skeleton"]["model"]))
         optimizer.load_state_dict(fill(manifest["skeleton"]["optimizer"]))
+        for name, skel in theirs.items():
+            mine[name].load_state_dict(fill(skel))
         torch.set_rng_state(torch.from_numpy(np.frombuffer(meta["torch_rng"], dtype=np.uint8).copy()))
         np.random.set_state(meta["numpy_rng"])
         random.setstate(meta["python_rng"])

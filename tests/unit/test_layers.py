@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "job": CORE | {"runtime"},
     "train": CORE | {"runtime", "faults", "job"},
     "jupyter": CORE | {"runtime", "faults", "debug", "train", "job"},
+    "ft": {"train"},  # the public face of train.ft
 }
 ROOTS = {"__init__", "proc_main", "cli", "__main__"}
 
