@@ -269,10 +269,17 @@ class CellRun:
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
-                if self._done.is_set() or (deadline is not None and time.monotonic() > deadline):
+                if self._done.is_set():
+                    # the last lines and "done" may have been queued since the get timed out
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                elif deadline is not None and time.monotonic() > deadline:
                     break
-                self.check_stragglers()
-                continue
+                else:
+                    self.check_stragglers()
+                    continue
             batch = [item]
             while True:  # coalesce what is already there into few writes
                 try:

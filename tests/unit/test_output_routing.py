@@ -157,3 +157,31 @@ def _render(text: str) -> list[str]:
             screen[row] += ch
         i += 1
     return [line for line in screen if line]
+
+
+def test_a_cells_last_line_is_shown_when_it_comes_just_as_the_pump_stops_waiting(capsys):
+    """The race of a loaded machine: the pump's wait for output times out, and before it looks at
+    whether the run is done, the last rank's last line and the run's end arrive. The line is shown."""
+    import queue
+
+    from monarch_nb.jupyter.cells import CellRun
+
+    run = CellRun(session=None, source="print('finished', rank)", ranks=[0, 1])
+
+    class _LateQueue(queue.SimpleQueue):
+        timed_out = False
+
+        def get(self, block=True, timeout=None):
+            if timeout is not None and not self.timed_out:
+                self.timed_out = True
+                self.put(("line", 1, "stdout", "finished 1"))
+                self.put(("done",))
+                run._done.set()
+                raise queue.Empty
+            return super().get(block, timeout)
+
+    run._queue = _LateQueue()
+    run._queue.put(("line", 0, "stdout", "finished 0"))
+    run.pump()
+    out = capsys.readouterr().out
+    assert "[stdout:0] finished 0" in out and "[stdout:1] finished 1" in out, out
