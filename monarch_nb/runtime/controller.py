@@ -281,6 +281,10 @@ class Controller:
         """
         return self.proc_meshes.rendezvous_host(mesh)
 
+    def procs_per_core(self, mesh: str) -> float:
+        """See :meth:`.proc_meshes.ProcMeshes.procs_per_core`."""
+        return self.proc_meshes.procs_per_core(mesh)
+
     def proc_record(self, mesh: str, rank: int) -> ProcRecord:
         """The record of rank ``rank`` of proc mesh ``mesh``.
 

@@ -156,6 +156,11 @@ class ProcMeshes:
         this mesh on that machine (``per_host`` on each of ``hosts``). Hosts on one machine (a local job, network namespaces) share its
         cores, however many agents they are: torch's default of one thread per core in every proc
         would oversubscribe it."""
+        load = self._machine_load(hosts, per_host)
+        return {h: max(1, cores // procs) for h, (procs, cores) in load.items()}
+
+    def _machine_load(self, hosts: list[str], per_host: int) -> dict[str, tuple[int, int]]:
+        """Host -> (procs of this mesh on its machine, cores of that machine)."""
         machines: dict[str, str] = {}
         cores: dict[str, int] = {}
         for host in set(hosts):
@@ -166,7 +171,25 @@ class ProcMeshes:
         per_machine: dict[str, int] = {}
         for host in hosts:
             per_machine[machines[host]] = per_machine.get(machines[host], 0) + per_host
-        return {h: max(1, cores[h] // per_machine[machines[h]]) for h in set(hosts)}
+        return {h: (per_machine[machines[h]], cores[h]) for h in set(hosts)}
+
+    def procs_per_core(self, mesh: str) -> float:
+        """The most procs of ``mesh`` per core on any of its machines (hosts on one machine share
+        its cores): above 1, heavy imports take turns, and setting up every rank takes about that
+        many times as long as one rank alone.
+
+        Raises:
+            ValueError: no such proc mesh.
+        """
+        record = self.ctrl.meshes.get(mesh)
+        if record is None:
+            raise ValueError(f"no proc mesh {mesh!r}; meshes: {sorted(self.ctrl.meshes)}")
+        hosts = [self.ctrl.procs[i].host for i in record.procs if i in self.ctrl.procs]
+        if not hosts:
+            return 1.0
+        distinct = list(dict.fromkeys(hosts))
+        load = self._machine_load(distinct, max(1, len(hosts) // len(distinct)))
+        return max(procs / max(1, cores) for procs, cores in load.values())
 
     def rendezvous_host(self, mesh: str) -> str:
         """The address of the controller's machine that every proc of ``mesh`` reaches.

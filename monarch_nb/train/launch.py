@@ -145,7 +145,7 @@ class Launch:
         m.trainers = {r: ranks.slice(rank=r) for r in range(o.procs)}
         live = m.live
         futures = {r: m.trainers[r].setup.call_one() for r in live}
-        values, errors = wait_all(futures, o.restart_timeout_s, self.run.stop_event)
+        values, errors = wait_all(futures, self._setup_timeout_s(), self.run.stop_event)
         if errors and not values and all(isinstance(e, ActorError) for e in errors.values()):
             rank, exc = min(errors.items())
             raise TrainingError(f"the training function {o.name} failed on every rank before its first step; "
@@ -157,6 +157,18 @@ class Launch:
         self._settle_restarts()
         if not m.live:
             raise TrainingError("no rank could set up its Trainer")
+
+    def _setup_timeout_s(self) -> float:
+        """How long the ranks' setups may take: ``restart_timeout_s`` for one rank alone, that many
+        times the procs per core on a crowded machine (the setups' heavy imports take turns: 24
+        ranks on 2 cores set up in about 12 rounds, a minute on a laptop)."""
+        from ..runtime.controller import Controller
+
+        try:
+            crowding = Controller.get().procs_per_core(self.procs.name)
+        except (AttributeError, ValueError):  # a mesh of another runtime, or already gone
+            crowding = 1.0
+        return self.o.restart_timeout_s * max(1.0, crowding)
 
     def _learn_geometry(self, setups: dict[int, dict]) -> None:
         """What the ranks' ``ft.batches`` asked for: the same on every rank, or the run cannot go on.
