@@ -214,3 +214,33 @@ def test_a_heavy_import_that_holds_the_gil_is_not_a_hang(procs4, tmp_path):
     kinds = [e.kind for e in controller.events.events(since_seq=since) if e.mesh == procs4.name]
     assert "proc_hung" not in kinds and "proc_fenced" not in kinds, kinds
     assert rank2.echo.call_one("still serving").get(timeout=10) == "still serving"
+
+
+def test_the_local_agents_hello_is_heard_when_it_comes_before_its_record(tmp_path):
+    """A thread importing torch holds the GIL for a second, so the agent's hello can arrive before
+    the thread that started the agent runs again: the hello is heard, the mesh starts (it waited
+    60 s and failed, for ever after, when the hello came first)."""
+    proc = _run_script("""
+        import threading, time
+        import monarch_nb
+        from monarch_nb.config import config
+        from monarch_nb.runtime import hosts
+
+        monarch_nb.configure(start_timeout_s=20.0)
+        heard = threading.Event()
+        hello = hosts.Hosts.on_hello
+        hosts.Hosts.on_hello = lambda self, header: (hello(self, header), heard.set())
+        started = hosts.LocalAgent.__init__
+
+        def start_then_wait_for_its_hello(self, name, env):
+            started(self, name, env)
+            assert heard.wait(20), "the agent never said hello"
+
+        hosts.LocalAgent.__init__ = start_then_wait_for_its_hello
+        t0 = time.monotonic()
+        procs = monarch_nb.this_host().spawn_procs(per_host={"gpus": 1})
+        print("started in", round(time.monotonic() - t0, 1), "s")
+        procs.stop()
+    """, tmp_path, timeout_s=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "started in" in proc.stdout

@@ -122,9 +122,13 @@ class Hosts:
             if record is None or self._local is None or not self._local.alive():
                 env = AgentEnv(ctrl.address, ctrl.signer.key.hex(), os.getpid(), ctrl.channel.shm_run_id or "",
                                config.orphan_check_s, config.heartbeat_interval_s)
-                self._local = LocalAgent(LOCAL, env)
-                record = self.records[LOCAL] = HostRecord(LOCAL, pid=self._local.pid, detail={
+                # the record first: the agent's hello may come before this thread runs again (a
+                # thread importing torch holds the GIL for a second), and a hello without a record is dropped
+                record = self.records[LOCAL] = HostRecord(LOCAL, detail={
                     "machine": machine_id(), "cores": len(os.sched_getaffinity(0))})
+                self._local = LocalAgent(LOCAL, env)
+                if not record.pid:
+                    record.pid = self._local.pid
         if not record.ready.wait(config.start_timeout_s):
             raise RuntimeError(f"host agent {LOCAL} did not connect within {config.start_timeout_s} s")
         return record
