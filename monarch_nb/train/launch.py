@@ -10,6 +10,7 @@ wait is without a deadline, and a stop ends every wait at once.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -75,6 +76,8 @@ class Launch:
 
         o = self.o
         self.run.phase("spawning")
+        # the run's store needs torch.distributed here (1-2 s to import): meanwhile the procs start
+        threading.Thread(target=_import_quietly, args=("torch.distributed",), name="monarch_nb-import", daemon=True).start()
         extra: dict = {}
         if o.spares:
             if "spares" in inspect.signature(HostMesh.spawn_procs).parameters:
@@ -219,6 +222,14 @@ class Launch:
         start = min(values.values())
         self.start_step = self.next_commit = self.next_dispatch = start
         self.run.step = start
+
+
+def _import_quietly(name: str) -> None:
+    """Import ``name`` ahead of its use (its error, if any, comes again where it is used)."""
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _constructed(mesh):

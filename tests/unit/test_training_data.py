@@ -102,3 +102,20 @@ def test_backend_nccl_needs_a_gpu():
     if device.detect_gpus().count == 0:
         with pytest.raises(ValueError, match="use backend 'gloo'"):
             check_backend("nccl")
+
+
+def test_the_digits_are_scikit_learns_digits_read_without_importing_it():
+    """The controller reads the digits' data file itself (importing scikit-learn took 1.5 s
+    before any proc started): the same arrays as ``load_digits()``, and scikit-learn not imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "from monarch_nb.train.workloads import load_digits_arrays\n"
+            "images, labels = load_digits_arrays()\n"
+            "assert 'sklearn' not in sys.modules\n"
+            "from sklearn.datasets import load_digits\n"
+            "d = load_digits()\n"
+            "assert np.array_equal(images, d.data) and np.array_equal(labels, d.target)\n"
+            "assert images.shape == (1797, 64) and labels.dtype == np.int64\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
