@@ -304,11 +304,15 @@ class Hosts:
                 self._lose(record, f"the host agent exited ({self._local.popen.returncode})")
 
     def _lose(self, record: HostRecord, why: str) -> None:
+        # marked as being attached again before it is marked lost: a spawn that sees it lost
+        # waits for its return (:meth:`reattaching`) instead of failing in between
+        reattach = record.name in self._links and record.name not in self._reattaching
+        if reattach:
+            self._reattaching.add(record.name)
         record.state = ProcState.FAILED
         self.ctrl.record_host_event("host_lost", record, detail=why, cause="host_lost")
         self.ctrl.liveness.host_lost(record.name, why)
-        if record.name in self._links and record.name not in self._reattaching:
-            self._reattaching.add(record.name)
+        if reattach:
             threading.Thread(target=self._reattach, args=(record.name,), name=f"monarch_nb-reattach-{record.name}",
                              daemon=True).start()
 
