@@ -24,6 +24,7 @@ bench: setup
 	$(PY) bench/actor_latency.py --with-peers
 	$(PY) bench/detection.py --with-peers
 	$(PY) bench/training.py --chaos
+	$(PY) bench/own_loop.py
 	$(PY) bench/kernels.py
 	$(PY) bench/multihost.py
 

@@ -1,4 +1,4 @@
-"""The peers' virtual environment for benchmarks: torchmonarch and ipyparallel beside torch==2.13.0.
+"""The peers' virtual environment for benchmarks: torchmonarch, ipyparallel and torchft beside torch==2.13.0.
 
 Peers live in their own venv (``bench/.peers-venv``), created on request (``--with-peers``), so
 the project's install stays lean. :func:`run_peer` runs a measurement script there and returns
@@ -18,7 +18,7 @@ from pathlib import Path
 __all__ = ["PEERS_VENV", "ensure_peers_venv", "peer_python", "run_peer"]
 
 PEERS_VENV = Path(__file__).resolve().parent / ".peers-venv"
-PEER_PACKAGES = ["torch==2.13.0", "numpy", "torchmonarch", "ipyparallel"]
+PEER_PACKAGES = ["torch==2.13.0", "numpy", "torchmonarch", "ipyparallel", "torchft"]
 
 
 def peer_python() -> Path | None:
