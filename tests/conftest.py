@@ -101,6 +101,17 @@ def _leftovers(pids: set[int]) -> tuple[list[str], list[str]]:
     return dirs, shm
 
 
+@pytest.fixture(scope="module")
+def patient_hang_timeout():
+    """A 3 s hang timeout for a training module (``pytestmark = pytest.mark.usefixtures(...)``):
+    workers importing torch on a busy 2-core machine can miss 1 s of heartbeats; the tests fence a
+    real SIGSTOP, so 3 s keeps them about training, not about load."""
+    before = config.hang_timeout_s
+    monarch_nb.configure(hang_timeout_s=3.0)
+    yield
+    monarch_nb.configure(hang_timeout_s=before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def suite_settings():
     """The suite's settings, set once before any mesh starts (never at import time)."""

@@ -22,16 +22,7 @@ from .conftest import wait_until
 STEPS = 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def patient_hang_timeout():
-    """As in test_train.py: a busy 2-core machine can starve a worker of 1 s of heartbeats."""
-    import monarch_nb
-    from monarch_nb.config import config
-
-    before = config.hang_timeout_s
-    monarch_nb.configure(hang_timeout_s=3.0)
-    yield
-    monarch_nb.configure(hang_timeout_s=before)
+pytestmark = pytest.mark.usefixtures("patient_hang_timeout")
 
 
 def _data(n: int = 1200, seed: int = 3):

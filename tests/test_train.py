@@ -32,17 +32,7 @@ PROCS = 3
 FIT = dict(eval_every=0, keep_parameters=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def patient_hang_timeout():
-    """Workers importing torch on a busy 2-core machine can miss 1 s of heartbeats; these tests
-    fence a real SIGSTOP, so a 3 s hang timeout keeps them about training, not about load."""
-    import monarch_nb
-    from monarch_nb.config import config
-
-    before = config.hang_timeout_s
-    monarch_nb.configure(hang_timeout_s=3.0)
-    yield
-    monarch_nb.configure(hang_timeout_s=before)
+pytestmark = pytest.mark.usefixtures("patient_hang_timeout")
 
 
 # -- bad input: a clear error before any worker starts ---------------------------------------------

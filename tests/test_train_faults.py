@@ -25,16 +25,7 @@ PHASES = ("spawning", "constructing", "forming quorum", "healing", "evaluating",
 KINDS = ("kill", "hang", "raise")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def patient_hang_timeout():
-    """A 3 s hang timeout: workers importing torch on a busy 2-core machine are not hangs."""
-    import monarch_nb
-    from monarch_nb.config import config
-
-    before = config.hang_timeout_s
-    monarch_nb.configure(hang_timeout_s=3.0)
-    yield
-    monarch_nb.configure(hang_timeout_s=before)
+pytestmark = pytest.mark.usefixtures("patient_hang_timeout")
 
 
 def _restarts(mesh: str) -> dict[int, int]:
