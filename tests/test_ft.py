@@ -14,7 +14,7 @@ import time
 import pytest
 
 import monarch_nb.train as mt
-from monarch_nb import ft
+from monarch_nb import Actor, endpoint, ft
 from monarch_nb.train import TrainingError, Workload
 
 from .conftest import wait_until
@@ -137,6 +137,38 @@ def test_batchnorm_replicas_stay_identical_through_a_rejoin(procs):
     assert failure["replicas_identical_after_rejoin"] and failure["rejoined_by"] == "heal"
 
 
+class LoopTrainer(Actor):
+    """Monarch code whose endpoint holds the training loop: only the ``ft`` lines are added."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    @endpoint
+    def train(self, steps: int):
+        import torch
+        import torch.nn.functional as F
+
+        model = _net()
+        model, opt = ft.wrap(model, torch.optim.AdamW(model.parameters(), lr=self.lr))
+        for _step, (x, y) in ft.batches(_data(), batch_size=48, steps=steps):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            ft.step(opt, loss=loss)
+        return ft.report()
+
+
+def test_an_actor_endpoint_is_the_training_loop_and_survives_a_kill():
+    """``mt.start(LoopTrainer.train, actor_args=(lr,))``: each rank makes its own actor and runs
+    the endpoint; a killed rank's new proc makes a new one, is healed and rejoins."""
+    run = mt.start(LoopTrainer.train, procs=2, args=(STEPS,), actor_args=(1e-2,), faults=["kill@20:rank=1"],
+                   eval_every=0)
+    report = _check(run)
+    assert report.workload == "LoopTrainer.train"
+    (failure,) = report.failures
+    assert failure["kind"] == "kill" and failure["rejoined_by"] == "heal" and failure["replicas_identical_after_rejoin"]
+
+
 def _no_ft_step():
     import torch
 
@@ -180,6 +212,8 @@ def test_a_step_not_ended_with_ft_step_ends_the_run_saying_so():
 def test_bad_arguments_are_refused_before_anything_starts():
     with pytest.raises(TypeError, match="decides its own batch_size"):
         mt.start(train, procs=2, batch_size=64)
+    with pytest.raises(TypeError, match=r"actor_args=/actor_kwargs= are for an actor class's endpoint"):
+        mt.start(train, procs=2, actor_args=(1e-2,))
     with pytest.raises(ValueError, match="steps= .* or epochs="):
         next(ft.batches(_data(), batch_size=8))
     with pytest.raises(TypeError, match="cannot take samples from a int"):

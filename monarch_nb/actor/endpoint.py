@@ -77,6 +77,7 @@ class EndpointProperty(Generic[P, R]):
                  propagate: Any = None):
         self.fn = fn
         self.name = fn.__name__
+        self.owner: type | None = None
         self.is_async = inspect.iscoroutinefunction(fn)
         self.explicit_response_port = explicit_response_port
         self.concurrent = concurrent
@@ -85,6 +86,7 @@ class EndpointProperty(Generic[P, R]):
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        self.owner = owner  # the actor class it was defined on
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:

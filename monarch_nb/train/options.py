@@ -157,13 +157,17 @@ def make_options(
     hosts: Any = None,
     args: tuple = (),
     kwargs: dict | None = None,
+    actor_args: tuple = (),
+    actor_kwargs: dict | None = None,
 ) -> TrainOptions:
     """Check every option and build :class:`TrainOptions`; nothing is started.
 
     ``workload`` is a built-in workload's name, a :class:`Workload`, or a training function
     written with ``ft`` (run on every rank with ``args`` and ``kwargs``; its ``ft.batches``
     decides the steps and the batch, so ``steps``, ``batch_size``, ``lr`` and ``text`` are not
-    taken then).
+    taken then), or an actor class's endpoint written with ``ft`` (``MyTrainer.train``: each rank
+    makes its own ``MyTrainer(*actor_args, **actor_kwargs)`` and runs the endpoint, see
+    :class:`~monarch_nb.train.trainer.EndpointLoop`).
 
     Raises:
         ValueError: a bad value (the message names the option and the fix).
@@ -171,7 +175,8 @@ def make_options(
         FileNotFoundError: the ``text`` file does not exist.
     """
     from ..config import config
-    from .trainer import TrainingLoop
+    from ..actor.endpoint import Endpoint, EndpointProperty
+    from .trainer import EndpointLoop, TrainingLoop
     from .workload_loop import workload_loop
 
     _positive_int("procs", procs)
@@ -179,6 +184,14 @@ def make_options(
     procs = per_host * _host_count(hosts)
     check_backend(backend)
     specs = [parse_fault(f) for f in (faults or [])]
+    if isinstance(workload, Endpoint):
+        raise TypeError(f"{workload.name} is an endpoint of a spawned actor mesh: pass the class's endpoint "
+                        f"(e.g. MyTrainer.{workload.name}); each rank of the run makes its own actor "
+                        "(actor_args=/actor_kwargs= for its constructor)")
+    if isinstance(workload, EndpointProperty):
+        workload = EndpointLoop(workload, actor_args, actor_kwargs)
+    elif actor_args or actor_kwargs:
+        raise TypeError("actor_args=/actor_kwargs= are for an actor class's endpoint (mt.start(MyTrainer.train, ...))")
     if callable(workload) and not isinstance(workload, (Workload, str)):
         given = [name for name, value in (("batch_size", batch_size), ("lr", lr), ("text", text)) if value is not None]
         if given:
@@ -224,7 +237,8 @@ def make_options(
     _positive_number("collective_timeout_s", collective_timeout_s)
     return TrainOptions(
         loop=loop, name=loop.name, workload=wl, procs=procs, steps=steps, faults=specs, seed=seed, lr=lr_used,
-        procs_per_host=per_host, host_mesh=hosts, global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s, chaos_kinds=tuple(chaos_kinds),
+        procs_per_host=per_host, host_mesh=hosts, global_batch=global_batch, backend=backend, chaos_mtbf_s=chaos_mtbf_s,
+        chaos_kinds=tuple(chaos_kinds),
         eval_every=eval_every, collective_timeout_s=collective_timeout_s, restart_timeout_s=restart_timeout_s,
         chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         report_json=report_json, keep_parameters=keep_parameters, spares=spares, window_steps=window_steps,

@@ -335,7 +335,10 @@ def fit(
             (e.g. ``Workload.custom(model_fn, (x, y), torch.nn.functional.cross_entropy)``), or
             your own training function written with :mod:`monarch_nb.ft` (``ft.wrap``,
             ``ft.batches``, ``ft.step``), run on every rank with ``args=`` / ``kwargs=``; its
-            ``ft.batches`` decides the steps and the global batch.
+            ``ft.batches`` decides the steps and the global batch. Or an actor class's endpoint
+            written with ``ft`` (``MyTrainer.train``): each rank makes its own
+            ``MyTrainer(*actor_args, **actor_kwargs)`` and runs the endpoint with ``args=`` /
+            ``kwargs=`` (a restarted rank makes a new one).
         procs: number of worker processes (data-parallel ranks); per host with ``hosts``.
         steps: optimizer steps to commit (a built-in workload's; a function's are its own).
         faults: fault specs (``"kill@120:rank=2"``, see :mod:`monarch_nb.faults.spec`).

@@ -39,7 +39,7 @@ from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
 from .trainer_state import StateEndpoints
 from .trainer_step import Stepping
 
-__all__ = ["Trainer", "TrainingLoop", "CollectiveError", "QuorumAborted"]
+__all__ = ["Trainer", "TrainingLoop", "EndpointLoop", "CollectiveError", "QuorumAborted"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,37 @@ class TrainingLoop:
             raise TypeError(f"a training function must be callable, got {type(fn).__name__}")
         self.fn, self.args, self.kwargs = fn, tuple(args), dict(kwargs or {})
         self.name = name or getattr(fn, "__name__", "train")
+
+
+class EndpointLoop:
+    """An actor's endpoint as the training function (``mt.start(MyTrainer.train, ...)``): on each
+    rank, and again on a restarted one, a fresh ``MyTrainer(*actor_args, **actor_kwargs)`` is made
+    in the proc and the endpoint's body runs on it with the run's ``args`` / ``kwargs`` (an async
+    endpoint on an event loop of the loop thread). So Monarch code whose endpoint holds the
+    training loop keeps its class: the loop's ``ft`` lines make it fault tolerant.
+
+    Raises:
+        TypeError: the endpoint takes an explicit response port, or its class is not an Actor.
+    """
+
+    def __init__(self, prop: Any, actor_args: tuple = (), actor_kwargs: dict | None = None):
+        cls = prop.owner
+        if cls is None or not (isinstance(cls, type) and issubclass(cls, Actor)):
+            raise TypeError(f"{prop.name} is not an endpoint of an Actor class")
+        if prop.explicit_response_port:
+            raise TypeError(f"{cls.__name__}.{prop.name} answers through a response port: a training "
+                            "endpoint returns its result (ft.report())")
+        self.cls, self.method = cls, prop.name
+        self.actor_args, self.actor_kwargs = tuple(actor_args), dict(actor_kwargs or {})
+        self.__name__ = f"{cls.__name__}.{prop.name}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+        import inspect
+
+        actor = self.cls(*self.actor_args, **self.actor_kwargs)
+        result = getattr(actor, self.method)(*args, **kwargs)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 def _params_checksum(state: dict) -> str:
