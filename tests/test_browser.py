@@ -47,9 +47,10 @@ from .jupyter_kernel import kernelspec_prefix
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 NOTEBOOK = "02_fault_tolerant_training.ipynb"
-#: training steps in the browser's copy of notebook 02: long enough to click and see a rank heal
-#: while the last cell waits (about 10 ms a step on the 2-core CI machine), short enough for CI
-STEPS = 4000
+#: training steps in the browser's copy of notebook 02: more than the test ever lets it train (about
+#: 10 ms a step on the 2-core CI machine); it ends the run with the dashboard's "stop training"
+#: button once it saw a rank heal while the last cell waited
+STEPS = 20_000
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = pytest.mark.timeout(300)
@@ -219,8 +220,14 @@ def test_kill_from_the_tree_while_a_cell_waits(lab):
         expect(page.locator(".mnb-dash .mnb-marker-fault").first).to_be_attached()
         page.locator(".mnb-dash").first.screenshot(path=str(ARTIFACTS / "02_dashboard.png"))
 
-        # training ends, the report shows, %mesh stop leaves snapshots of the widgets
-        expect(page.locator(".jp-OutputArea-output", has_text="training report").first).to_be_visible(timeout=180_000)
+        # "stop training" ends the run at a step boundary: the waiting cell goes on, the report
+        # shows (every step so far kept), %mesh stop leaves snapshots of the widgets
+        stop = page.locator(".mnb-dash .mnb-dash-stop")
+        expect(stop).to_be_enabled(timeout=10_000)
+        stop.click()
+        expect(page.locator(".jp-OutputArea-output", has_text="training report").first).to_be_visible(timeout=60_000)
+        stopped = page.locator(".jp-OutputArea-output:not(:has(.mnb-dash, .mnb-dash-static))", has_text="stopped before the last step")
+        expect(stopped).to_have_count(1, timeout=10_000)  # the printed report (the dashboard shows it too)
         expect(page.locator(".mnb-tree-static")).to_have_count(1, timeout=60_000)
         expect(page.locator(".mnb-dash-static")).to_have_count(1, timeout=10_000)
         expect(indicator).to_have_attribute("data-status", "idle", timeout=30_000)

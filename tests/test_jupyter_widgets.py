@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -320,5 +321,47 @@ def test_dashboard_marks_supervision_events(procs4):
         procs4.restart(1)
         wait_until(lambda: any(m["type"] == "recovered" for m in dash.markers), 5, message="a recovery marker")
         assert dash.progress["status"] == "training"
+    finally:
+        dash.close()
+
+
+def test_dashboard_stop_button_stops_the_run_it_follows():
+    """"stop training" shows while the run trains; a click stops the run (on a thread, once),
+    and the button is gone while it stops and after."""
+    ended = threading.Event()
+    stops: list[float] = []
+
+    class FakeRun:
+        metrics: list = []
+
+        def subscribe(self, fn):
+            return lambda: None
+
+        def wait(self, timeout=None):
+            return ended.wait(timeout)
+
+        def done(self):
+            return ended.is_set()
+
+        def stop(self, timeout=10.0):
+            stops.append(time.monotonic())
+            ended.set()
+            return True
+
+        def report(self, timeout=None):
+            return "training report (stopped early)"
+
+    dash = TrainingDashboard(total_steps=10)
+    try:
+        assert dash.click_stop() is None  # no run yet: nothing to stop
+        dash.attach(FakeRun())
+        wait_until(lambda: dash.progress.get("stoppable") is True, 5, message="the stop button shown")
+        worker = dash.click_stop()
+        worker.join(5)
+        assert len(stops) == 1
+        wait_until(lambda: dash.report == "training report (stopped early)" and dash.progress.get("status") == "done", 5,
+                   message="the report shown")
+        assert dash.progress["stoppable"] is False
+        assert dash.click_stop() is None and len(stops) == 1  # a second click after the end does nothing
     finally:
         dash.close()

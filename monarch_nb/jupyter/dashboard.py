@@ -1,5 +1,5 @@
 """The training dashboard: progress, loss, accuracy and gradient-norm curves with fault and recovery markers,
-an event timeline and the recovery figures (detection, resume, rejoin).
+an event timeline, the recovery figures (detection, resume, rejoin) and a button that stops the run.
 
 One anywidget model, drawn as inline SVG by an ES module shipped as a string. It is fed plain
 dicts, so it works with any source: :meth:`TrainingDashboard.attach` follows a
@@ -94,17 +94,26 @@ function render({ model, el }) {
       (p.accuracy !== undefined && p.accuracy !== null ? ` · batch accuracy ${(100 * p.accuracy).toFixed(1)}%` : "") +
       (p.grad_norm !== undefined && p.grad_norm !== null ? ` · grad norm ${Number(p.grad_norm).toPrecision(3)}` : "") +
       (p.live_ranks !== undefined && p.live_ranks !== null ? ` · live ranks ${p.live_ranks}` : ""));
+    if (p.stoppable) {
+      const stop = document.createElement("button");
+      stop.className = "mnb-dash-stop"; stop.textContent = "stop training";
+      stop.title = "end the run at the next step boundary: every step so far is kept, and the report shows";
+      stop.onclick = () => { stop.disabled = true; model.send({action: "stop"}); };
+      head.append(" ", stop);
+    }
     root.append(head);
     const pts = model.get("metrics") || [], markers = model.get("markers") || [];
     const maxStep = Math.max(p.total || 0, ...pts.map(q => q.step), 1);
     const charts = document.createElement("div"); charts.className = "mnb-charts";
     charts.append(chart("loss", pts, "loss", markers, "#1565c0", maxStep), chart("batch accuracy", pts, "accuracy", markers, "#6a1b9a", maxStep));
-    if (pts.some(q => q.grad_norm !== null && q.grad_norm !== undefined)) charts.append(chart("grad norm", pts, "grad_norm", markers, "#ef6c00", maxStep));
+    if (pts.some(q => q.grad_norm !== null && q.grad_norm !== undefined))
+      charts.append(chart("grad norm", pts, "grad_norm", markers, "#ef6c00", maxStep));
     root.append(charts);
     const figs = model.get("figures") || {};
     const ft = document.createElement("div"); ft.className = "mnb-figures";
     const names = Object.keys(figs);
-    ft.textContent = names.length ? "recovery: " + names.map(k => `${k} ${figs[k].median_ms.toFixed(0)} ms (n=${figs[k].n}, max ${figs[k].max_ms.toFixed(0)})`).join(" · ")
+    ft.textContent = names.length ? "recovery: " + names.map(
+      k => `${k} ${figs[k].median_ms.toFixed(0)} ms (n=${figs[k].n}, max ${figs[k].max_ms.toFixed(0)})`).join(" · ")
       : "recovery: no failure yet";
     root.append(ft);
     const tl = document.createElement("div"); tl.className = "mnb-timeline";
@@ -126,6 +135,7 @@ export default { render };
 _CSS = """
 .mnb-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; }
 .mnb-progress progress { width: 240px; vertical-align: middle; }
+.mnb-dash-stop { margin-left: 8px; font-size: 11px; }
 .mnb-charts { display: flex; flex-wrap: wrap; gap: 8px; margin: 4px 0; }
 .mnb-figures { margin: 4px 0; font-weight: bold; }
 .mnb-timeline { max-height: 140px; overflow: auto; font-family: var(--jp-code-font-family, monospace); }
@@ -169,6 +179,23 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
             target=refresh_loop, args=(ref, self._dirty, self._stop, "_push"), kwargs={"final": True}, name="mnb-dashboard", daemon=True
         )
         self._thread.start()
+        self.on_msg(self._on_frontend_msg)
+
+    def _on_frontend_msg(self, _widget: Any, content: dict, _buffers: list) -> threading.Thread | None:
+        """The browser's "stop training" button: the run ends at its next step boundary (on a
+        thread: the kernel's message loop is not held); returns that thread, or None if there is
+        no run to stop."""
+        run = self.run
+        if content.get("action") != "stop" or run is None or run.done():
+            return None
+        self.set_status("stopping")
+        worker = threading.Thread(target=run.stop, name="mnb-dashboard-stop", daemon=True)
+        worker.start()
+        return worker
+
+    def click_stop(self) -> threading.Thread | None:
+        """Do what a click on "stop training" does; returns the thread that stops the run."""
+        return self._on_frontend_msg(self, {"action": "stop"}, [])
 
     # -- feeding ----------------------------------------------------------------------------------
     def add_metric(self, metric: dict) -> None:
@@ -323,7 +350,8 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
             total = self.total_steps or (last.get("step", 0) if last else 0)
             progress = {"step": last.get("step", 0) + (1 if last else 0) if last else 0, "total": total,
                         "status": self._status, "loss": last.get("loss"), "accuracy": last.get("accuracy"),
-                        "grad_norm": last.get("grad_norm"), "live_ranks": last.get("live_ranks")}
+                        "grad_norm": last.get("grad_norm"), "live_ranks": last.get("live_ranks"),
+                        "stoppable": self.run is not None and self._status == "training"}
             if progress["total"] and progress["step"] > progress["total"]:
                 progress["step"] = progress["total"]
             markers = list(self._markers[-200:])
