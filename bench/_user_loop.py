@@ -62,8 +62,10 @@ def _loss(model, x, y):
 
 
 # -- monarch_nb.ft ---------------------------------------------------------------------------------
-def ft_loop(kind: str, path: str, steps: int, batch_size: int, step_sleep_s: float = 0.0):
-    """The loop with ``ft`` (``mt.start(ft_loop, procs=N, args=(...))``)."""
+def ft_loop(kind: str, path: str, steps: int, batch_size: int, step_sleep_s: float = 0.0,
+            times_out: str | None = None):
+    """The loop with ``ft`` (``mt.start(ft_loop, procs=N, args=(...))``). With ``times_out``,
+    rank 0 writes the wall time after each step there, as the DDP loop does (the same measure)."""
     import torch
 
     from monarch_nb import ft
@@ -71,13 +73,18 @@ def ft_loop(kind: str, path: str, steps: int, batch_size: int, step_sleep_s: flo
     n, batch, make_model, lr = _data(kind, path)
     model = make_model()
     model, opt = ft.wrap(model, torch.optim.Adam(model.parameters(), lr=lr))
+    times = []
     for _step, (x, y) in ft.batches(batch, batch_size, steps, num_samples=n):
         loss = _loss(model, x, y)
         opt.zero_grad()
         loss.backward()
         ft.step(opt, loss=loss)
+        times.append(time.time())
         if step_sleep_s:
             time.sleep(step_sleep_s)
+    if times_out and ft.rank() == 0:
+        with open(times_out, "w") as f:
+            json.dump({"times": times, "global_batch": batch_size}, f)
     return ft.report()
 
 

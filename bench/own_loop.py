@@ -69,9 +69,24 @@ def run_ft(kind: str, path: str, steps: int, procs: int) -> dict:
     import monarch_nb.train as mt
     from _user_loop import ft_loop
 
-    report = mt.fit(ft_loop, procs=procs, args=(kind, path, steps, BATCH[kind]), eval_every=0, progress=False)
-    return {"throughput_samples_per_s": report.throughput_samples_per_s, "step_ms_median": report.step_time_ms_median,
+    work = tempfile.mkdtemp(prefix="own-loop-ft-")
+    out = os.path.join(work, "times.json")
+    try:
+        report = mt.fit(ft_loop, procs=procs, args=(kind, path, steps, BATCH[kind], 0.0, out), eval_every=0,
+                        progress=False)
+        times = json.load(open(out))["times"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {**_steady(times, BATCH[kind]), "report_throughput_samples_per_s": report.throughput_samples_per_s,
             "replicas_identical": report.replicas_identical, "samples_lost": report.samples_lost}
+
+
+def _steady(times: list[float], global_batch: int) -> dict:
+    """Samples/s and the median step from the wall times after each step of one rank (the same
+    measure for ``ft`` and DDP: the first step, with its warm-up, is not counted)."""
+    wall = times[-1] - times[0]
+    return {"throughput_samples_per_s": (len(times) - 1) * global_batch / wall,
+            "step_ms_median": statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3}
 
 
 def run_ddp(kind: str, path: str, steps: int, procs: int) -> dict:
@@ -89,9 +104,7 @@ def run_ddp(kind: str, path: str, steps: int, procs: int) -> dict:
         times = json.load(open(out))["times"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    wall = times[-1] - times[0]
-    return {"throughput_samples_per_s": (len(times) - 1) * BATCH[kind] / wall,
-            "step_ms_median": statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3}
+    return _steady(times, BATCH[kind])
 
 
 def _peers_python() -> str | None:
