@@ -18,6 +18,7 @@ test: setup
 	bash scripts/install-browser.sh
 	bash scripts/install-gpu-compilers.sh
 	bash scripts/install-test-daemons.sh
+	$(VENV)/bin/ruff check
 	$(PY) -m pytest -q
 
 bench: setup

@@ -429,16 +429,20 @@ def print_table(results: dict) -> None:
         return d
 
     rows = [
-        ("call_one median (us)", get(results, "raw_zmq", "median_us"), get(ours, "call_one", "median_us"), get(tm, "call_one", "median_us"), get(ipp, "call_one", "median_us")),
-        ("call_one p95 (us)", get(results, "raw_zmq", "p95_us"), get(ours, "call_one", "p95_us"), get(tm, "call_one", "p95_us"), get(ipp, "call_one", "p95_us")),
+        ("call_one median (us)", get(results, "raw_zmq", "median_us"), get(ours, "call_one", "median_us"),
+         get(tm, "call_one", "median_us"), get(ipp, "call_one", "median_us")),
+        ("call_one p95 (us)", get(results, "raw_zmq", "p95_us"), get(ours, "call_one", "p95_us"),
+         get(tm, "call_one", "p95_us"), get(ipp, "call_one", "p95_us")),
         ("call to 4 median (us)", None, get(ours, "call_4", "median_us"), get(tm, "call_4", "median_us"), get(ipp, "call_4", "median_us")),
         ("call to 4 p95 (us)", None, get(ours, "call_4", "p95_us"), get(tm, "call_4", "p95_us"), get(ipp, "call_4", "p95_us")),
         ("1 MiB tensor round trip (GB/s)", None, get(ours, "tensor_1MiB", "gb_per_s"), get(tm, "tensor_1MiB", "gb_per_s"), None),
         ("64 MiB tensor round trip (GB/s)", None, get(ours, "tensor_64MiB", "gb_per_s"), get(tm, "tensor_64MiB", "gb_per_s"), None),
-        ("2,000 broadcasts to 4, end to end (/s)", None, get(ours, "broadcast_e2e", "broadcasts_per_s"), get(tm, "broadcast_e2e", "broadcasts_per_s"), None),
+        ("2,000 broadcasts to 4, end to end (/s)", None, get(ours, "broadcast_e2e", "broadcasts_per_s"),
+         get(tm, "broadcast_e2e", "broadcasts_per_s"), None),
         ("actor -> actor call_one median (us)", None, get(ours, "actor_to_actor", "median_us"), get(tm, "actor_to_actor", "median_us"), None),
         ("10,000 values through a port (/s)", None, get(ours, "port_stream", "values_per_s"), get(tm, "port_stream", "values_per_s"), None),
-        ("spawn 4 procs -> first reply (s)", None, get(results, "startup", "median_s"), get(tm, "startup", "median_s"), get(ipp, "startup", "median_s")),
+        ("spawn 4 procs -> first reply (s)", None, get(results, "startup", "median_s"), get(tm, "startup", "median_s"),
+         get(ipp, "startup", "median_s")),
     ]
     base = results.get("baseline")
     if base is not None:
@@ -455,8 +459,10 @@ def print_table(results: dict) -> None:
     if mem:
         print("\nmemory")
         print(f"  idle worker RSS over bare `import torch`: {_fmt(mem.get('idle_worker_over_bare_mb'), ' MB')} (target <= 60 MB)")
-        print(f"  controller RSS growth over {mem.get('controller_rss_growth_calls')} calls: {_fmt(mem.get('controller_rss_growth_mb'), ' MB')} (target < 20 MB)")
-        print(f"  64 MiB round trip peak extra, in tensor copies: worker {_fmt(mem.get('tensor_64MiB_worker_peak_copies'))}, controller {_fmt(mem.get('tensor_64MiB_controller_peak_copies'))} (target <= 2)")
+        print(f"  controller RSS growth over {mem.get('controller_rss_growth_calls')} calls: "
+              f"{_fmt(mem.get('controller_rss_growth_mb'), ' MB')} (target < 20 MB)")
+        print(f"  64 MiB round trip peak extra, in tensor copies: worker {_fmt(mem.get('tensor_64MiB_worker_peak_copies'))}, "
+              f"controller {_fmt(mem.get('tensor_64MiB_controller_peak_copies'))} (target <= 2)")
     ratios = results["ratios"]
     print("\nratios")
     for key, value in ratios.items():
@@ -510,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "call_one / raw pyzmq (target <= 2)": ratio(med(ours, "call_one"), results["raw_zmq"]["median_us"]),
         "call_one / torchmonarch (target <= 0.35)": ratio(med(ours, "call_one"), med(tm, "call_one")),
         "call to 4 / torchmonarch (target <= 0.5)": ratio(med(ours, "call_4"), med(tm, "call_4")),
-        "broadcast end to end / torchmonarch (target >= 2)": ratio(med(ours, "broadcast_e2e", "broadcasts_per_s"), med(tm, "broadcast_e2e", "broadcasts_per_s")),
+        "broadcast end to end / torchmonarch (target >= 2)": ratio(med(ours, "broadcast_e2e", "broadcasts_per_s"),
+                                                                   med(tm, "broadcast_e2e", "broadcasts_per_s")),
         "actor->actor / controller->actor call_one (target <= 1.5)": ratio(med(ours, "actor_to_actor"), med(ours, "call_one")),
         "torchmonarch: actor->actor / controller->actor": ratio(med(tm, "actor_to_actor"), med(tm, "call_one")),
         "port stream / torchmonarch (target >= 2)": ratio(med(ours, "port_stream", "values_per_s"), med(tm, "port_stream", "values_per_s")),

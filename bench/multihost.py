@@ -207,7 +207,7 @@ def bench_detection(cluster: NetnsCluster, ca: str, trials: int) -> dict:
     ctrl = Controller.get()
     out: dict = {"agent_kill_s": [], "partition_s": []}
     try:
-        for trial in range(trials):
+        for _trial in range(trials):
             for how in ("agent_kill_s", "partition_s"):
                 name = hosts.host_names[1]
                 deadline = time.monotonic() + 60
@@ -219,7 +219,7 @@ def bench_detection(cluster: NetnsCluster, ca: str, trials: int) -> dict:
                     os.kill(ctrl.hosts[name].pid, 9)
                 else:
                     cluster.cut(1)
-                event = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == name, 30, since)
+                event = ctrl.events.wait_for(lambda e, name=name: e.kind == "host_lost" and e.host == name, 30, since)
                 if how == "partition_s":
                     cluster.restore(1)
                 out[how].append((event.monotonic - t0) if event is not None else float("inf"))

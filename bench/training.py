@@ -508,7 +508,8 @@ def _table(r: dict) -> str:
         k = r["kill"]
         rows.append(f"{'SIGKILL @ step ' + str(k['kill_at']) + ': time lost (s), torchrun peer':<50}{k['monarch_time_lost_s']:>13.2f}"
                     f"{k['torchrun_time_lost_s']:>13.2f}{_fmt(k['ratio'], '.3f'):>8}{'<= 0.1':>10}")
-        rows.append(f"{'  detect / resume / rejoin (s)':<50}{_fmt(k['monarch_detection_s'], '.3f') + '/' + _fmt(k['monarch_resume_s'], '.3f') + '/' + _fmt(k['monarch_rejoin_s'], '.2f'):>13}")
+        latencies = f"{_fmt(k['monarch_detection_s'], '.3f')}/{_fmt(k['monarch_resume_s'], '.3f')}/{_fmt(k['monarch_rejoin_s'], '.2f')}"
+        rows.append(f"{'  detect / resume / rejoin (s)':<50}{latencies:>13}")
     if "memory" in r:
         m = r["memory"]
         h = m["heal"]

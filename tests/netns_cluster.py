@@ -90,7 +90,7 @@ class NetnsCluster:
             for i in range(self.hosts if self.start_workers else 0):
                 self.workers.append(self._start_worker(i))
             deadline = time.monotonic() + timeout_s
-            for i, worker in enumerate(self.workers):
+            for worker in self.workers:
                 line = self._first_line(worker, deadline)
                 self.addresses.append(json.loads(line)["address"])
         except BaseException:

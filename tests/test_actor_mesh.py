@@ -111,7 +111,7 @@ def test_endpoint_that_raises_gives_remote_traceback(procs4):
 def test_bad_calls_are_clear_errors_and_leave_mesh_usable(procs4):
     workers = procs4.spawn("w", Worker)
     with pytest.raises(UnknownEndpointError, match="no endpoint 'nope'.*echo"):
-        workers.nope
+        workers.nope  # noqa: B018 (the attribute's lookup raises)
     with pytest.raises(TypeError, match=r"Worker.echo\(value\).*missing"):
         workers.echo.call()
     with pytest.raises(TypeError, match="unexpected keyword"):

@@ -162,7 +162,8 @@ def kernel():
 
 
 def test_post_mortem_p_up_l_and_q_leaves_rank_usable(kernel):
-    ok(kernel, "try:\n    workers.slice(gpus=1).fail.call_one(20).get(10)\nexcept monarch_nb.ActorError as e:\n    print('failed:', e.exception_type)")
+    ok(kernel, "try:\n    workers.slice(gpus=1).fail.call_one(20).get(10)\n"
+               "except monarch_nb.ActorError as e:\n    print('failed:', e.exception_type)")
     run = ok(kernel, "%mesh debug 1", ["p inner", "up", "p local_marker", "l", "w", "q"])
     assert run.prompts == ["[rank 1] (Pdb) "] * 6
     text = run.text

@@ -371,5 +371,5 @@ def test_offline_check_compiles_the_kernels_for_amd_and_nvidia_targets(tmp_path)
             continue
         assert _cuda_cubin_archs(tmp_path / f"{stem}.cuda.o") == [80, 90], name
     if (tmp_path / "SKIPPED-cuda").exists():
-        warnings.warn("the offline check skipped its CUDA half: " + (tmp_path / "SKIPPED-cuda").read_text().strip())
+        warnings.warn("the offline check skipped its CUDA half: " + (tmp_path / "SKIPPED-cuda").read_text().strip(), stacklevel=1)
     assert "ops_cuda.cpp" in output

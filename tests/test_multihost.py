@@ -156,7 +156,7 @@ def test_a_new_mesh_right_after_a_worker_loop_restart_serves_on_every_host(clust
         spawned: list = []
         cluster.kill_worker(1)
         time.sleep(delay_s)
-        spawner = threading.Thread(target=lambda: spawned.append(hosts.spawn_procs(per_host={"gpus": 1})))
+        spawner = threading.Thread(target=lambda spawned=spawned: spawned.append(hosts.spawn_procs(per_host={"gpus": 1})))
         spawner.start()
         cluster.start_worker_again(1)
         spawner.join(60)

@@ -46,7 +46,8 @@ def test_forged_unsigned_malformed_and_replayed_frames_are_dropped(procs4):
         sock.send_multipart(forged)
         # a body that would run code if unpickled, signed with the wrong key
         evil = b"cos\nsystem\n(S'touch /tmp/monarch_nb_pwned'\ntR."
-        sock.send_multipart(encode(Signer(b"k" * 32), {"kind": "call", "src": "intruder", "dst": target, "seq": 2, "actor": "counters", "ep": "incr"}, evil))
+        header = {"kind": "call", "src": "intruder", "dst": target, "seq": 2, "actor": "counters", "ep": "incr"}
+        sock.send_multipart(encode(Signer(b"k" * 32), header, evil))
         # a replay: the same validly signed message twice
         valid = encode(controller.signer, {"kind": "hb", "src": "intruder#1", "dst": "ctrl", "seq": 7, "busy": {}})
         sock.send_multipart(valid)
@@ -125,7 +126,8 @@ def _spawn_controller_script(extra: str = "") -> tuple[subprocess.Popen, list[in
         {extra}
         """
     )
-    popen = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    popen = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     line = popen.stdout.readline()
     if not line:
         popen.kill()

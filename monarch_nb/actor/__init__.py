@@ -2,9 +2,10 @@
 
     from monarch_nb.actor import Actor, endpoint, this_host, Channel, Port, MeshFailure
 
-Names load on first use (``import monarch_nb`` stays fast). This package is also the client-side actor model (Actor, endpoint, meshes, ValueMesh, Future,
-ports, slicing); it reaches processes only through the
-:class:`~monarch_nb.actor.backend.Backend` Protocol that the runtime implements and installs.
+Names load on first use (``import monarch_nb`` stays fast). This package is also the client-side
+actor model (Actor, endpoint, meshes, ValueMesh, Future, ports, slicing); it reaches processes
+only through the :class:`~monarch_nb.actor.backend.Backend` Protocol that the runtime implements
+and installs.
 
 Two attributes are settings, replaced by assignment as in Monarch and read at each use:
 ``unhandled_fault_hook`` (called with a :class:`MeshFailure` the client's actors did not handle;

@@ -117,7 +117,7 @@ def debug_targets(mesh: "ProcMesh | str | None" = None, *, include_all_meshes: b
                 continue
             asked.append((rec, base, requests.send_request(rec, {"op": "list"})))
     deadline = time.monotonic() + timeout_s
-    for rec, base, future in asked:
+    for _rec, base, future in asked:
         try:
             listing = future.get(max(0.01, deadline - time.monotonic()))
         except SupervisionError as exc:

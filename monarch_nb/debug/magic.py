@@ -223,7 +223,8 @@ def _dispatch(argv: list[str], mesh: str, options: dict, read: Callable[[str], s
         return True
     if head in ("quit", "q", "exit", "detach"):
         return False
-    raise DebugError(f"unknown debugger command {head!r}; the commands: list, attach RANK, cast RANKS CMD, continue, clear, stack, quit (%mesh debug --help)")
+    raise DebugError(f"unknown debugger command {head!r}; the commands: list, attach RANK, cast RANKS CMD, continue, "
+                     "clear, stack, quit (%mesh debug --help)")
 
 
 def _attach(rank_text: str, mesh: str, options: dict, read: Callable[[str], str]) -> bool:

@@ -3,10 +3,11 @@
 Kernel side: the magics (:mod:`.magics`, parsed by :mod:`.parsers`; the cell magic in
 :mod:`.cell_magic`), the session and its values (:mod:`.session`, :mod:`.values`), cell runs and
 their output (:mod:`.cells`, :mod:`.routing`, :mod:`.cell_errors`), where ``%mesh start`` puts
-procs (:mod:`monarch_nb.job.placement`: this host, ``--hosts``, ``--job``), status, waits, auto mode, interrupts,
-the widgets (:mod:`.tree_widget` with its layouts :mod:`.tree_grid` and browser side
-:mod:`.tree_view`; :mod:`.dashboard`; :mod:`.fallback`) and the workshop's checkers. Worker side (run inside procs): :mod:`.worker` (the ``%%mesh`` cell
-executor and the status probe), :mod:`.display_worker` and :mod:`.mpl_worker` (rich output).
+procs (:mod:`monarch_nb.job.placement`: this host, ``--hosts``, ``--job``), status, waits, auto
+mode, interrupts, the widgets (:mod:`.tree_widget` with its layouts :mod:`.tree_grid` and browser
+side :mod:`.tree_view`; :mod:`.dashboard`; :mod:`.fallback`) and the workshop's checkers. Worker
+side (run inside procs): :mod:`.worker` (the ``%%mesh`` cell executor and the status probe),
+:mod:`.display_worker` and :mod:`.mpl_worker` (rich output).
 
 Nothing here is imported by ``import monarch_nb``; ``%load_ext monarch_nb`` loads it, and the
 names below load on first use.

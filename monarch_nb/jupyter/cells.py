@@ -384,7 +384,8 @@ class CellRun:
         errors = {r: res.error for r, res in self.results.items() if res.error is not None}
         if not errors:
             return None
-        interrupted = [r for r, res in self.results.items() if (res.reply or {}).get("interrupted") or (r in self.interrupted and res.error is not None)]
+        interrupted = [r for r, res in self.results.items()
+                       if (res.reply or {}).get("interrupted") or (r in self.interrupted and res.error is not None)]
         return MeshCellError(errors, self.ranks, interrupted)
 
     # -- results ----------------------------------------------------------------------------------

@@ -96,7 +96,8 @@ def build_line_parser() -> Parser:
     p.add_argument("--mesh", help="the training mesh ('train') or a proc mesh name (default: the one %%%%mesh uses)")
 
     p = sub.add_parser("restart", help="restart one rank in place (same rank, new pid, actors respawned)",
-                       description="Restart one rank in place: same rank and coordinates, new pid; its actors are respawned and its %%mesh namespace starts empty.")
+                       description="Restart one rank in place: same rank and coordinates, new pid; its actors are respawned "
+                                   "and its %%mesh namespace starts empty.")
     p.add_argument("rank", metavar="RANK", type=nonneg_int)
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
 
@@ -179,8 +180,10 @@ def build_cell_parser() -> Parser:
     parser.add_argument("--group-outputs", choices=("rank", "type"), default="rank", help="with --no-stream: group by rank (default) or by type")
     parser.add_argument("--out", metavar="NAME", help="store the CellRun (values, errors, per-rank output) as NAME")
     parser.add_argument("--frame", action="store_true", help="run in the namespace of the debugger's frame on each rank (monarch_nb.debug)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="with --block: stop waiting after S seconds (the cell is interrupted)")
-    parser.add_argument("--local", action="store_true", help="run the cell in the kernel too (after starting it on the ranks), e.g. to keep a reference copy")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="with --block: stop waiting after S seconds (the cell is interrupted)")
+    parser.add_argument("--local", action="store_true",
+                        help="run the cell in the kernel too (after starting it on the ranks), e.g. to keep a reference copy")
     return parser
 
 

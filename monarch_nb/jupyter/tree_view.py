@@ -93,7 +93,8 @@ function render({ model, el: host }) {
       let text;
       if (node.kind === "controller") text = `controller · pid ${node.pid}`;
       else if (node.kind === "host") text = `${node.name}${(node.detail || {}).hostname ? ` (${node.detail.hostname})` : ""} · ` +
-        `${node.lost ? "LOST" : node.state}${node.load === null || node.load === undefined ? "" : ` · load ${Number(node.load).toFixed(2)}`} · pid ${node.pid}`;
+        `${node.lost ? "LOST" : node.state}` +
+        `${node.load === null || node.load === undefined ? "" : ` · load ${Number(node.load).toFixed(2)}`} · pid ${node.pid}`;
       else if (node.kind === "proc") {
         text = `rank ${node.rank} · ${node.name} · pid ${node.pid} · ${node.state} · heartbeat ${fmt(node.heartbeat_age_s)}` +
           ` · restarts ${node.restarts}` + (node.endpoint ? ` · ${node.endpoint} (${fmt(node.endpoint_running_s)})` : "");
@@ -150,7 +151,8 @@ function render({ model, el: host }) {
       if (row.spares) cells.append(el("span", {class: "mnb-spares"}, `+${row.spares} spare${row.spares > 1 ? "s" : ""}`));
       line.append(label, cells);
       if (row.lost && row.last_event)
-        line.append(el("span", {class: "mnb-lostwhy", title: row.last_event.detail}, `lost ${row.last_event.clock}: ${short(row.last_event.detail)}`));
+        line.append(el("span", {class: "mnb-lostwhy", title: row.last_event.detail},
+                       `lost ${row.last_event.clock}: ${short(row.last_event.detail)}`));
       box.append(line);
     }
   };

@@ -55,7 +55,8 @@ from .protocol import CONTROLLER, AgentEnv, AgentExit, Kind, ProcEnv
 
 log = logging.getLogger("monarch_nb.host_agent")
 
-SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP, "SIGCONT": signal.SIGCONT, "SIGTERM": signal.SIGTERM, "SIGSEGV": signal.SIGSEGV, "SIGINT": signal.SIGINT}
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP, "SIGCONT": signal.SIGCONT, "SIGTERM": signal.SIGTERM,
+           "SIGSEGV": signal.SIGSEGV, "SIGINT": signal.SIGINT}
 #: Spares that die this many times in a row, each within SPARE_MIN_LIFE_S of its start, are not replaced.
 SPARE_MAX_QUICK_DEATHS = 3
 SPARE_MIN_LIFE_S = 5.0

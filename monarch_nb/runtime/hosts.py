@@ -288,7 +288,7 @@ class Hosts:
     # -- liveness (IO thread) --------------------------------------------------------------------------
     def tick(self) -> None:
         now = time.monotonic()
-        for name, link in list(self._links.items()):
+        for name in list(self._links):
             record = self.records.get(name)
             if record is None:
                 continue

@@ -93,7 +93,7 @@ class Launch:
                 Controller.get().stop_procs(name, timeout_s=1.0)
 
             try:
-                self.procs = self._stoppable(lambda: host.spawn_procs(per_host={"gpus": o.procs_per_host}, name=name, **extra),
+                self.procs = self._stoppable(lambda name=name: host.spawn_procs(per_host={"gpus": o.procs_per_host}, name=name, **extra),
                                              stop_mesh)
                 break
             except RuntimeError as exc:  # a proc died or did not say hello while starting
@@ -136,7 +136,7 @@ class Launch:
             self._settle_restarts()
             name = "trainer" if not attempt else f"trainer_{attempt}"
             try:
-                mesh = self._stoppable(lambda: _constructed(self.procs.spawn(name, Trainer, *args)), lambda: None)
+                mesh = self._stoppable(lambda name=name: _constructed(self.procs.spawn(name, Trainer, *args)), lambda: None)
                 break
             except SupervisionError as exc:  # a proc failed meanwhile: restart it, spawn again
                 if attempt == 3:

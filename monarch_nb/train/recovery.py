@@ -364,7 +364,7 @@ class Membership:
             quorum = self.quorum
             aborted = threading.Event()
 
-            def abort(rank: int, exc: BaseException) -> None:
+            def abort(rank: int, exc: BaseException, aborted: threading.Event = aborted, quorum: int = quorum) -> None:
                 if own_failure(exc) and not aborted.is_set():
                     aborted.set()
                     self.store.set(f"quorum{quorum}/abort", "1")
