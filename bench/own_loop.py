@@ -6,7 +6,8 @@ One user loop (bench/_user_loop.py: the same model, optimizer, loss and samples 
 three runtimes, measured in this one run, 4 ranks on this machine:
 
 1. steady state, digits (an MLP: ~1 ms of compute a step, so per-step overheads show) and
-   charlm (a small transformer, tens of ms a step): samples/s of ``mt.start(loop)`` with ``ft``;
+   charlm (a small transformer, tens of ms a step), over the last half of each run's steps, from
+   the loop's own times after each step on one rank: samples/s of ``mt.start(loop)`` with ``ft``;
    of the loop under ``torchrun`` + ``DistributedDataParallel`` (no fault tolerance); of the loop
    under torchft 0.2.0 (a lighthouse, 4 replica groups of one process, its DDP and Optimizer
    wrapper, ProcessGroupGloo; in the peers' venv). Runs interleaved, ``--repeats`` each (median).
@@ -82,8 +83,10 @@ def run_ft(kind: str, path: str, steps: int, procs: int) -> dict:
 
 
 def _steady(times: list[float], global_batch: int) -> dict:
-    """Samples/s and the median step from the wall times after each step of one rank (the same
-    measure for ``ft`` and DDP: the first step, with its warm-up, is not counted)."""
+    """Samples/s and the median step over the last half of a run, from the wall times after each
+    step of one rank: the same measure for ``ft``, DDP and torchft. The first half (warm-up; a warm
+    spare or a lighthouse still starting on these 2 cores) is not counted."""
+    times = times[len(times) // 2:]
     wall = times[-1] - times[0]
     return {"throughput_samples_per_s": (len(times) - 1) * global_batch / wall,
             "step_ms_median": statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3}
@@ -142,9 +145,10 @@ def run_torchft(python: str, kind: str, path: str, steps: int, groups: int, *, k
     records = summary["groups"].get("0") or next(iter(summary["groups"].values()))
     committed = [r for r in records if r[3]]
     per_group = BATCH[kind] // groups
-    wall = committed[-1][0] - committed[0][0]
-    result = {"throughput_samples_per_s": sum(r[2] * per_group for r in committed[1:]) / wall,
-              "step_ms_median": statistics.median(b[0] - a[0] for a, b in zip(committed, committed[1:])) * 1e3,
+    steady = committed[len(committed) // 2:]  # the last half, as _steady
+    wall = steady[-1][0] - steady[0][0]
+    result = {"throughput_samples_per_s": sum(r[2] * per_group for r in steady[1:]) / wall,
+              "step_ms_median": statistics.median(b[0] - a[0] for a, b in zip(steady, steady[1:])) * 1e3,
               "samples_lost": sum((groups - r[2]) * per_group for r in committed)}
     if summary["kill_time"] is not None:
         after = [r for r in committed if r[0] > summary["kill_time"]]
@@ -195,10 +199,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, help="steady-state runs of each runtime (median; default 3, quick 1)")
     p.add_argument("--kills", type=int, help="SIGKILLs during the ft run (default 10, quick 4)")
     p.add_argument("--procs", type=int, default=4)
+    p.add_argument("--steady-only", action="store_true", help="only the steady-state rows (no kills)")
     args = p.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     kills = args.kills or (4 if args.quick else 10)
-    steps = {"digits": 300 if args.quick else 600, "charlm": 60 if args.quick else 150}
+    steps = {"digits": 300 if args.quick else 1500, "charlm": 60 if args.quick else 150}
     folder = tempfile.mkdtemp(prefix="own-loop-bench-")
     results: dict = {"procs": args.procs, "cores": os.cpu_count(), "repeats": repeats, "steady": {}}
     try:
@@ -218,12 +223,14 @@ def main() -> int:
                       f"{rows['torchft'][-1]['throughput_samples_per_s'] if rows['torchft'] else float('nan'):.0f} "
                       "samples/s", flush=True)
             med = {k: statistics.median(r["throughput_samples_per_s"] for r in v) if v else None for k, v in rows.items()}
+            pairs = [a["throughput_samples_per_s"] / b["throughput_samples_per_s"] for a, b in zip(rows["ft"], rows["ddp"])]
             results["steady"][kind] = {"runs": rows, "median": med,
                                        "ft_vs_ddp": med["ft"] / med["ddp"],
+                                       "ft_vs_ddp_per_run": pairs,  # each ft run over the DDP run right after it
                                        "torchft_vs_ddp": med["torchft"] / med["ddp"] if med["torchft"] else None}
-        results["kills"] = kills_during_ft("digits", paths["digits"], args.procs, kills)
+        results["kills"] = kills_during_ft("digits", paths["digits"], args.procs, kills) if not args.steady_only else None
         results["torchft_kill"] = {}
-        if peers is not None:
+        if peers is not None and not args.steady_only:
             for hb in (5000, 1000):
                 results["torchft_kill"][f"heartbeat_{hb}ms"] = run_torchft(
                     peers, "digits", paths["digits"], steps["digits"] * 2, args.procs, kill_at=steps["digits"] // 2,
@@ -249,8 +256,11 @@ def _print(r: dict) -> None:
         m = row["median"]
         tf = f" (torchft {row['torchft_vs_ddp']:.2f}x)" if row["torchft_vs_ddp"] else ""
         print(f"{'steady ' + kind + ' (samples/s)':<58}{_fmt(m['ft']):>10}{_fmt(m['ddp']):>10}{_fmt(m['torchft']):>14}"
-              f"   {row['ft_vs_ddp']:.3f}x DDP{tf} / >= 0.97")
+              f"   {row['ft_vs_ddp']:.3f}x DDP{tf} / >= 0.97; per run "
+              + " ".join(f"{x:.2f}" for x in row["ft_vs_ddp_per_run"]))
     k = r["kills"]
+    if k is None:
+        return
     print(f"{'kills during the ft run':<58}{k['kills']:>10}")
     print(f"{'  survivors next commit after a kill, p50 / p95 (s)':<58}{_fmt(k['resume_p50_s'], '.3f'):>10}"
           f"{'':>10}{'':>14}   p95 {_fmt(k['resume_p95_s'], '.3f')} / <= 0.2")
