@@ -16,7 +16,8 @@ import os
 import time
 
 from ..faults.spec import FaultSpec
-from .recovery import RankState, Stopped, TrainingError, own_failure, wait_all
+from .recovery import RankState, TrainingError, own_failure
+from .waits import Stopped, wait_all
 
 __all__ = ["Boundaries"]
 
@@ -161,7 +162,7 @@ class Boundaries:
         if not (self.snapshot_path and (self.snapshots or os.path.exists(self.snapshot_path))):
             if self.next_commit == self.start_step == 0:  # nothing trained yet: fresh trainers are the state
                 for rank in m.ready:
-                    m.state[rank] = RankState.LIVE
+                    m.move(rank, RankState.LIVE)
                 m.broken = True
                 self.fresh_replicas = True  # their next quorum makes them identical (the lowest rank's model)
                 return

@@ -35,7 +35,8 @@ from ..errors import ActorError, MeshStoppedError
 from ..faults.spec import FaultSpec
 from .boundaries import Boundaries
 from .launch import Launch
-from .recovery import Membership, RankState, Stopped, TrainingError, own_failure, wait_all
+from .recovery import Membership, RankState, TrainingError, own_failure
+from .waits import Stopped, wait_all
 from .report import build_report
 
 __all__ = ["Coordinator"]

@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable
 
 from ..errors import ActorError
-from .recovery import RankState, Stopped, TrainingError, wait_all
+from .recovery import RankState, TrainingError
+from .waits import Stopped, wait_all
 
 __all__ = ["Launch", "SPARE_PRELOAD"]
 
@@ -130,7 +131,7 @@ class Launch:
         self.run.phase("constructing")
         args = (o.loop, o.seed, self.store_host, m.store.port, o.backend, o.collective_timeout_s, o.chunk_bytes)
         for rank in range(o.procs):
-            m.state[rank] = RankState.LIVE
+            m.move(rank, RankState.LIVE)
         mesh = None
         for attempt in range(4):
             self._settle_restarts()
@@ -202,7 +203,7 @@ class Launch:
                 raise Stopped()
             self._wait_event(0.05)
             for rank in self.m.ready:
-                self.m.state[rank] = RankState.LIVE
+                self.m.move(rank, RankState.LIVE)
 
     def _resume(self) -> None:
         from .run import latest_checkpoint

@@ -20,8 +20,10 @@ A *quorum* is one process group of the live ranks (torchft's term; "epoch" means
 data only). Forming one is a barrier in the controller's rendezvous store that the controller
 aborts if a member fails meanwhile; it is retried without the failed ranks.
 
-A little over 500 lines on purpose: rank states, failure records, restarts and quorums are one
-state machine driven from one thread; split over files its transitions would be read apart.
+A rank's state (:class:`RankState`) changes only in :meth:`Membership.move`, which checks the
+move against the diagram's table. Rank states, failure records, restarts and quorums are one state
+machine driven from one thread, so they stay in one module; waiting on every rank's reply is
+:mod:`.waits`.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from enum import Enum
+from typing import Any
 
 from ..errors import ActorError, MeshStoppedError, SupervisionError
 from ..supervision.records import ProcState
 from .report import FailureRecord
+from .waits import Stopped, wait_all
 
-__all__ = ["Membership", "TrainingError", "Stopped", "RankState", "wait_all"]
+__all__ = ["Membership", "TrainingError", "RankState"]
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +52,23 @@ class TrainingError(RuntimeError):
     """The run cannot go on (every rank failed and nothing can restore it, or no quorum forms)."""
 
 
-class Stopped(Exception):
-    """The run was asked to stop while it waited (internal)."""
+class RankState(str, Enum):
+    """A training rank's state in its run (see the module docstring's diagram)."""
 
-
-class RankState:
     LIVE = "live"
     RESTARTING = "restarting"
     READY = "ready"  # restarted, waiting to be healed and join a quorum
     OUT = "out"  # its restarts failed; the run goes on without it
+
+
+#: the moves :meth:`Membership.move` allows (None: a rank the run has not constructed yet)
+_MOVES: dict[RankState | None, frozenset[RankState]] = {
+    None: frozenset({RankState.LIVE, RankState.RESTARTING}),
+    RankState.LIVE: frozenset({RankState.RESTARTING}),
+    RankState.RESTARTING: frozenset({RankState.READY, RankState.OUT}),
+    RankState.READY: frozenset({RankState.LIVE, RankState.RESTARTING}),
+    RankState.OUT: frozenset(),
+}
 
 
 def own_failure(exc: BaseException) -> bool:
@@ -86,46 +98,6 @@ def cause_of(exc: BaseException | None) -> str:
     return type(exc).__name__
 
 
-def wait_all(futures: dict, timeout_s: float, stop: threading.Event,
-             on_error: Callable[[int, BaseException], None] | None = None) -> tuple[dict, dict]:
-    """Wait for every future of ``{rank: future}``; ``on_error(rank, exc)`` runs as soon as one
-    fails. Returns ``(values, errors)`` by rank; a future still pending at the deadline is a
-    TimeoutError.
-
-    Raises:
-        Stopped: ``stop`` was set meanwhile.
-    """
-    done: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-    for rank, fut in futures.items():
-        fut.add_done_callback(lambda _f, r=rank: done.put(r))
-    values: dict = {}
-    errors: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while len(values) + len(errors) < len(futures):
-        if stop.is_set():
-            raise Stopped()
-        left = deadline - time.monotonic()
-        if left <= 0:
-            for rank in futures:
-                if rank not in values and rank not in errors:
-                    errors[rank] = TimeoutError(f"rank {rank}: no reply within {timeout_s:.1f} s")
-                    if on_error:
-                        on_error(rank, errors[rank])
-            break
-        try:
-            rank = done.get(timeout=min(left, 0.1))
-        except queue.Empty:
-            continue
-        exc = futures[rank].exception(0)
-        if exc is None:
-            values[rank] = futures[rank].get(0)
-        else:
-            errors[rank] = exc
-            if on_error:
-                on_error(rank, exc)
-    return values, errors
-
-
 class Membership:
     """The ranks of one run: their states, failure records, restarts, quorums and heals.
 
@@ -141,7 +113,7 @@ class Membership:
         self.events = events
         self.procs: Any = None
         self.trainers: dict[int, Any] = {}
-        self.state: dict[int, str] = {}
+        self.state: dict[int, RankState] = {}  # changed only by move()
         self.quorum = 0
         self.members: list[int] = []
         self.broken = True  # no quorum yet
@@ -169,6 +141,17 @@ class Membership:
         return self.broken or self.live != self.members
 
     # -- failure records (any thread, under the run's lock) ----------------------------------------
+    def move(self, rank: int, new: RankState) -> None:
+        """The one place a rank's state changes (training thread, or under ``run.lock``).
+
+        Raises:
+            RuntimeError: the move is not in the table (a bug: say which).
+        """
+        old = self.state.get(rank)
+        if new not in _MOVES[old]:
+            raise RuntimeError(f"rank {rank}: {old.value if old else 'not started'} -> {new.value} is not a legal move")
+        self.state[rank] = new
+
     def open_record(self, kind: str, rank: int, at: float, cause: str = "", pid: int | None = None) -> FailureRecord:
         rec = FailureRecord(kind, rank, self.run.step, at, cause=cause, pid=pid)
         with self.run.lock:
@@ -261,7 +244,7 @@ class Membership:
                 return False
             if rank in self.members:
                 self.broken = True
-            self.state[rank] = RankState.RESTARTING
+            self.move(rank, RankState.RESTARTING)
             for rec in recs:
                 rec.restarted = True
         if self.run.stopping:
@@ -332,11 +315,11 @@ class Membership:
 
     def on_ready(self, rank: int) -> None:
         if self.state.get(rank) == RankState.RESTARTING:
-            self.state[rank] = RankState.READY
+            self.move(rank, RankState.READY)
 
     def on_restart_failed(self, rank: int) -> None:
         if self.state.get(rank) == RankState.RESTARTING:
-            self.state[rank] = RankState.OUT
+            self.move(rank, RankState.OUT)
 
     def join_threads(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -407,7 +390,7 @@ class Membership:
                     log.warning("healing rank %d failed: %s; restarting it again", rank, exc)
                     self.fail_rank(rank, exc)
                 continue
-            self.state[rank] = RankState.LIVE
+            self.move(rank, RankState.LIVE)
             with self.run.lock:
                 for rec in self._open.get(rank, []):
                     if rec.restarted and rec.heal_ms is None:
@@ -510,5 +493,5 @@ class Membership:
         step = max(v["next_step"] for v in values.values())
         for r, v in values.items():
             if v["next_step"] == step:
-                self.state[r] = RankState.LIVE
+                self.move(r, RankState.LIVE)
         return {r: v for r, v in values.items() if v["next_step"] == step}
