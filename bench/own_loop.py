@@ -200,6 +200,7 @@ def main() -> int:
     p.add_argument("--kills", type=int, help="SIGKILLs during the ft run (default 10, quick 4)")
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--steady-only", action="store_true", help="only the steady-state rows (no kills)")
+    p.add_argument("--data", choices=("digits", "charlm"), action="append", help="steady state of this workload only (repeatable)")
     args = p.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     kills = args.kills or (4 if args.quick else 10)
@@ -209,7 +210,7 @@ def main() -> int:
     try:
         paths = _paths(folder)
         peers = _peers_python()
-        for kind in ("digits", "charlm"):
+        for kind in args.data or ("digits", "charlm"):
             rows: dict = {"ft": [], "ddp": [], "torchft": []}
             for _ in range(repeats):
                 rows["ft"].append(run_ft(kind, paths[kind], steps[kind], args.procs))
