@@ -78,17 +78,19 @@ def run_ft(kind: str, path: str, steps: int, procs: int) -> dict:
         times = json.load(open(out))["times"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {**_steady(times, BATCH[kind]), "report_throughput_samples_per_s": report.throughput_samples_per_s,
+    return {**_steady(times, [BATCH[kind]] * len(times)), "report_throughput_samples_per_s": report.throughput_samples_per_s,
             "replicas_identical": report.replicas_identical, "samples_lost": report.samples_lost}
 
 
-def _steady(times: list[float], global_batch: int) -> dict:
+def _steady(times: list[float], samples: list[int]) -> dict:
     """Samples/s and the median step over the last half of a run, from the wall times after each
-    step of one rank: the same measure for ``ft``, DDP and torchft. The first half (warm-up; a warm
-    spare or a lighthouse still starting on these 2 cores) is not counted."""
-    times = times[len(times) // 2:]
+    step of one rank and the samples each step trained: the same measure for ``ft``, DDP and
+    torchft. The first half (warm-up; a warm spare or a lighthouse still starting on these 2
+    cores) is not counted, nor the samples of the half's first step (its start is not timed)."""
+    half = len(times) // 2
+    times, samples = times[half:], samples[half:]
     wall = times[-1] - times[0]
-    return {"throughput_samples_per_s": (len(times) - 1) * global_batch / wall,
+    return {"throughput_samples_per_s": sum(samples[1:]) / wall,
             "step_ms_median": statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3}
 
 
@@ -107,7 +109,7 @@ def run_ddp(kind: str, path: str, steps: int, procs: int) -> dict:
         times = json.load(open(out))["times"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _steady(times, BATCH[kind])
+    return _steady(times, [BATCH[kind]] * len(times))
 
 
 def _peers_python() -> str | None:
@@ -145,10 +147,7 @@ def run_torchft(python: str, kind: str, path: str, steps: int, groups: int, *, k
     records = summary["groups"].get("0") or next(iter(summary["groups"].values()))
     committed = [r for r in records if r[3]]
     per_group = BATCH[kind] // groups
-    steady = committed[len(committed) // 2:]  # the last half, as _steady
-    wall = steady[-1][0] - steady[0][0]
-    result = {"throughput_samples_per_s": sum(r[2] * per_group for r in steady[1:]) / wall,
-              "step_ms_median": statistics.median(b[0] - a[0] for a, b in zip(steady, steady[1:])) * 1e3,
+    result = {**_steady([r[0] for r in committed], [r[2] * per_group for r in committed]),
               "samples_lost": sum((groups - r[2]) * per_group for r in committed)}
     if summary["kill_time"] is not None:
         after = [r for r in committed if r[0] > summary["kill_time"]]
@@ -205,6 +204,7 @@ def main() -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     kills = args.kills or (4 if args.quick else 10)
     steps = {"digits": 300 if args.quick else 1500, "charlm": 60 if args.quick else 150}
+    torchft_kill_steps = 600 if args.quick else 1200  # the kill at a quarter: its effect, not a steady state
     folder = tempfile.mkdtemp(prefix="own-loop-bench-")
     results: dict = {"procs": args.procs, "cores": os.cpu_count(), "repeats": repeats, "steady": {}}
     try:
@@ -234,7 +234,7 @@ def main() -> int:
         if peers is not None and not args.steady_only:
             for hb in (5000, 1000):
                 results["torchft_kill"][f"heartbeat_{hb}ms"] = run_torchft(
-                    peers, "digits", paths["digits"], steps["digits"] * 2, args.procs, kill_at=steps["digits"] // 2,
+                    peers, "digits", paths["digits"], torchft_kill_steps, args.procs, kill_at=torchft_kill_steps // 4,
                     heartbeat_timeout_ms=hb)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
