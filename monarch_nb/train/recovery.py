@@ -140,9 +140,9 @@ class Membership:
         """The live ranks are not exactly the members of an intact quorum."""
         return self.broken or self.live != self.members
 
-    # -- failure records (any thread, under the run's lock) ----------------------------------------
+    # -- rank states (training thread, or under the run's lock) ------------------------------------
     def move(self, rank: int, new: RankState) -> None:
-        """The one place a rank's state changes (training thread, or under ``run.lock``).
+        """The one place a rank's state changes.
 
         Raises:
             RuntimeError: the move is not in the table (a bug: say which).
@@ -152,6 +152,7 @@ class Membership:
             raise RuntimeError(f"rank {rank}: {old.value if old else 'not started'} -> {new.value} is not a legal move")
         self.state[rank] = new
 
+    # -- failure records (any thread, under the run's lock) ----------------------------------------
     def open_record(self, kind: str, rank: int, at: float, cause: str = "", pid: int | None = None) -> FailureRecord:
         rec = FailureRecord(kind, rank, self.run.step, at, cause=cause, pid=pid)
         with self.run.lock:
