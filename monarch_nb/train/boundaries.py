@@ -122,7 +122,7 @@ class Boundaries:
 
     def _rejoined(self, joined: list[int]) -> None:
         sums = self.m.checksums()
-        identical = len({v["params_checksum"] for v in sums.values()}) <= 1
+        identical = self.m.identical(sums)
         now = time.monotonic()
         for rank in joined:
             if self.m.state.get(rank) == RankState.LIVE:

@@ -73,6 +73,12 @@ def add_train_parser(sub, name: str = "train", faults: tuple[str, ...] = ()) -> 
                    help="warm spare procs per host (torch loaded) that take a failed rank's place (default 1; 0: none)")
     p.add_argument("--report-json", metavar="PATH", help="write the report (with the sample ledger) as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    shard = p.add_argument_group("sharded models (HSDP: shard inside a replica group, replicate across groups)")
+    shard.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp",
+                       help="ddp: every rank a whole replica (default); fsdp: FSDP2 over each replica group")
+    shard.add_argument("--group-size", type=positive_int, default=1, metavar="N",
+                       help="ranks per replica group with --parallelism fsdp (must divide --procs; default 1); "
+                            "a failed rank restarts its whole group, healed shard by shard from a live one")
     where = p.add_argument_group("across hosts")
     where.add_argument("--hosts", metavar="H:P[,H:P...]",
                        help="train on these workers (`monarch-nb worker --address tcp://H:P`): ranks host by host")
@@ -118,7 +124,8 @@ def _train(args: argparse.Namespace, placement) -> int:
             args.workload, procs=args.procs, steps=args.steps, faults=args.fault or args.default_faults, seed=args.seed,
             lr=args.lr, batch_size=args.batch_size, text=args.text, backend=args.backend,
             chaos_mtbf_s=args.chaos_mtbf, eval_every=args.eval_every, spares=args.spares,
-            report_json=args.report_json, hosts=placement.host_mesh,
+            report_json=args.report_json, hosts=placement.host_mesh, group_size=args.group_size,
+            parallelism=args.parallelism,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"monarch-nb train: error: {exc}", file=sys.stderr)

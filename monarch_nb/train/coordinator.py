@@ -211,8 +211,10 @@ class Coordinator(Launch, Boundaries):
             last = end - 1
             if o.eval_every and end % o.eval_every == 0 and end < o.steps:
                 self.run.phase("evaluating")
-                future = m.trainers[writer].evaluate.call_one()
-                future.add_done_callback(lambda f, s=last, r=writer: self.events.put(("eval", s, r, f)))
+                for rank in m.layout.members(writer):  # a sharded model's forward needs its whole group
+                    future = m.trainers[rank].evaluate.call_one()
+                    if rank == writer:
+                        future.add_done_callback(lambda f, s=last, r=writer: self.events.put(("eval", s, r, f)))
             if o.checkpoint_every and end % o.checkpoint_every == 0:
                 self.run.phase("checkpointing")
                 self._send_checkpoint(writer, end)
@@ -462,10 +464,13 @@ class Coordinator(Launch, Boundaries):
             return wait_all(futures, timeout, stop)[0]
 
         values = ask("checksum", m.live)
-        digests = {v["params_checksum"] for v in values.values()}
+        digests = m.replica_digests(values)
         applied = {v["applied_steps"] for v in values.values()}
         # an interrupted run is evaluated too (within the stop's 2 s), so its report is complete
-        ev: dict = next(iter(ask("evaluate", m.live[:1]).values()), {"test_accuracy": None, "test_loss": None})
+        first = m.quorum_ranks[:1] or m.live[:1]
+        evaluated = ask("evaluate", [r for r in m.layout.members(first[0]) if r in m.live] if first else [])
+        ev: dict = evaluated.get(first[0], {"test_accuracy": None, "test_loss": None}) if first else \
+            {"test_accuracy": None, "test_loss": None}
         mem: dict = {}
         if not run.stopping:
             mem = ask("memory", m.live)

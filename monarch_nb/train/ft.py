@@ -92,8 +92,13 @@ def wrap(model: Any, optimizer: Any, *, device: Any = None) -> tuple[Any, Any]:
         device: where the model lives (default: where it is; ``ft.device()`` is this rank's GPU
             on a GPU host, the CPU elsewhere).
 
+    In a run with ``parallelism`` (``mt.fit(..., group_size=2, parallelism="fsdp")``) the model
+    is split over this rank's replica group first (FSDP2's ``fully_shard``, or the run's
+    ``parallelize(model, device_mesh)``) and the optimizer pointed at its sharded parameters
+    (see :mod:`monarch_nb.train.sharding`): use the two returned, not the ones passed in.
+
     Returns:
-        ``(model, optimizer)``: the same model, and the optimizer wrapped so that its
+        ``(model, optimizer)``: the same model (split, in a sharded run), and the optimizer wrapped so that its
         ``zero_grad()`` keeps the flat gradient buffer and its ``step()`` is ``ft.step(opt)``
         (it passes ``isinstance(opt, torch.optim.Optimizer)``; LR schedulers take it).
 
@@ -115,6 +120,8 @@ def wrap(model: Any, optimizer: Any, *, device: Any = None) -> tuple[Any, Any]:
         return _local().wrap(model, inner)
     if t.model is not None:
         raise RuntimeError("ft.wrap was called twice in this run of the training function: wrap one model once")
+    if t._sharded:  # the run's parallelism: the model split over this rank's replica group
+        model, inner = t._split(model, inner)
     t._adopt(model, inner)
     wrapped = _wrapped(inner, t)
     t.optimizer_faces.append(wrapped)  # an LR scheduler built on either sees its step called

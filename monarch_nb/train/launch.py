@@ -129,7 +129,8 @@ class Launch:
 
         o, m = self.o, self.m
         self.run.phase("constructing")
-        args = (o.loop, o.seed, self.store_host, m.store.port, o.backend, o.collective_timeout_s, o.chunk_bytes)
+        args = (o.loop, o.seed, self.store_host, m.store.port, o.backend, o.collective_timeout_s, o.chunk_bytes,
+                o.group_size, o.parallelism)
         for rank in range(o.procs):
             m.move(rank, RankState.LIVE)
         mesh = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..faults.spec import FaultSpec, check_faults, parse_fault
+from .sharding import check_parallelism
 from .workloads import Workload, get_workload
 
 __all__ = ["TrainOptions", "make_options", "CHAOS_KINDS"]
@@ -59,6 +60,8 @@ class TrainOptions:
     snapshot_every: int | None
     snapshot_budget: float
     num_samples: int = field(default=0)
+    group_size: int = 1
+    parallelism: Any = "ddp"
 
     def learn_geometry(self, num_samples: int, global_batch: int, steps: int) -> None:
         """What the ranks' ``ft.batches`` asked for (a training function's run), checked as
@@ -159,6 +162,8 @@ def make_options(
     kwargs: dict | None = None,
     actor_args: tuple = (),
     actor_kwargs: dict | None = None,
+    group_size: int = 1,
+    parallelism: "str | Callable[..., Any]" = "ddp",
 ) -> TrainOptions:
     """Check every option and build :class:`TrainOptions`; nothing is started.
 
@@ -168,6 +173,10 @@ def make_options(
     taken then), or an actor class's endpoint written with ``ft`` (``MyTrainer.train``: each rank
     makes its own ``MyTrainer(*actor_args, **actor_kwargs)`` and runs the endpoint, see
     :class:`~monarch_nb.train.trainer.EndpointLoop`).
+
+    ``group_size`` and ``parallelism`` split the model inside replica groups of ``group_size``
+    ranks (``"fsdp"``: FSDP2 over the group, HSDP across groups; or ``parallelize(model,
+    device_mesh)``); fault tolerance then works across groups (see :mod:`.sharding`).
 
     Raises:
         ValueError: a bad value (the message names the option and the fix).
@@ -232,6 +241,15 @@ def make_options(
     _positive_number("restart_timeout_s", restart_timeout_s)
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs checkpoint_dir (the folder to write the checkpoints to)")
+    if (group_size, parallelism) != (1, "ddp"):  # a sharded run
+        check_parallelism(parallelism, group_size, procs)
+        if snapshot_every:
+            raise ValueError("snapshot_every: a sharded run (parallelism) publishes no shared-memory snapshots yet; "
+                             "leave snapshot_every out (a lost group heals from a live one)")
+        if checkpoint_every or resume:
+            raise ValueError("checkpoint_every/resume: a sharded run (parallelism) writes no disk checkpoints yet; "
+                             "leave them out")
+        snapshot_every = 0
     if collective_timeout_s is None:
         collective_timeout_s = max(10.0, 4 * config.hang_timeout_s)
     _positive_number("collective_timeout_s", collective_timeout_s)
@@ -243,5 +261,5 @@ def make_options(
         chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         report_json=report_json, keep_parameters=keep_parameters, spares=spares, window_steps=window_steps,
         window_s=window_s, pipeline=pipeline, snapshot_every=snapshot_every, snapshot_budget=snapshot_budget,
-        num_samples=wl.num_train if wl is not None else 0,
+        num_samples=wl.num_train if wl is not None else 0, group_size=group_size, parallelism=parallelism,
     )

@@ -31,14 +31,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from enum import Enum
 from typing import Any
 
 from ..errors import ActorError, MeshStoppedError, SupervisionError
 from ..supervision.records import ProcState
+from .healing import Healing
 from .report import FailureRecord
-from .waits import Stopped, wait_all
+from .sharding import GroupLayout
+from .waits import wait_all
 
 __all__ = ["Membership", "TrainingError", "RankState"]
 
@@ -50,6 +53,11 @@ _RESTART_ATTEMPTS = 3
 
 class TrainingError(RuntimeError):
     """The run cannot go on (every rank failed and nothing can restore it, or no quorum forms)."""
+
+
+class GroupFailed(RuntimeError):
+    """A rank is taken out because a partner of its replica group failed (a sharded run: the
+    group's collectives cannot go on without it, so the whole group restarts)."""
 
 
 class RankState(str, Enum):
@@ -79,6 +87,8 @@ def own_failure(exc: BaseException) -> bool:
 
 
 def kind_of(exc: BaseException | None) -> str:
+    if isinstance(exc, GroupFailed):
+        return "group"
     if isinstance(exc, SupervisionError):
         return "host_lost" if getattr(exc, "cause", "") == "host_lost" else "crash"
     if isinstance(exc, ActorError):
@@ -98,8 +108,9 @@ def cause_of(exc: BaseException | None) -> str:
     return type(exc).__name__
 
 
-class Membership:
-    """The ranks of one run: their states, failure records, restarts, quorums and heals.
+class Membership(Healing):
+    """The ranks of one run: their states, failure records, restarts, quorums (and heals:
+    :class:`~.healing.Healing`).
 
     Args:
         run: the :class:`~monarch_nb.train.run.TrainingRun` (its lock, stop flag, recovery records).
@@ -121,6 +132,8 @@ class Membership:
         self._open: dict[int, list[FailureRecord]] = {}
         self._threads: list[threading.Thread] = []
         self.store: Any = None
+        self.layout = GroupLayout(getattr(self.options, "group_size", 1))
+        self.generation: dict[int, int] = {}  # replica group -> its incarnation (a sharded run)
 
     # -- views ------------------------------------------------------------------------------------
     @property
@@ -136,9 +149,36 @@ class Membership:
         return sorted(r for r, s in self.state.items() if s == RankState.RESTARTING)
 
     @property
+    def quorum_ranks(self) -> list[int]:
+        """The live ranks a quorum may have: those whose whole replica group is live (every live
+        rank, unsharded)."""
+        return self.layout.whole_groups(self.live)
+
+    @property
     def dirty(self) -> bool:
         """The live ranks are not exactly the members of an intact quorum."""
-        return self.broken or self.live != self.members
+        return self.broken or self.quorum_ranks != self.members
+
+    def identical(self, checksums: dict) -> bool:
+        """Every replica holds the same state: one parameter checksum per shard index among
+        ``checksums`` (``{rank: Trainer.checksum()}``)."""
+        return len(self.replica_digests(checksums)) <= 1
+
+    def replica_digests(self, checksums: dict) -> set[str]:
+        """The distinct replica checksums among ``checksums`` (``{rank: Trainer.checksum()}``): one
+        when every replica is identical. A sharded run's replica is its shards: when every shard
+        index has one checksum, the one digest is the BLAKE2b-64 of them in shard order."""
+        import hashlib
+
+        by_shard: dict[int, set[str]] = {}
+        for v in checksums.values():
+            by_shard.setdefault(v.get("shard", 0), set()).add(v["params_checksum"])
+        if len(by_shard) <= 1:
+            return next(iter(by_shard.values()), set())
+        if any(len(sums) > 1 for sums in by_shard.values()):
+            return {f"{shard}:{s}" for shard, sums in by_shard.items() for s in sums}
+        joined = ",".join(next(iter(by_shard[shard])) for shard in sorted(by_shard))
+        return {hashlib.blake2b(joined.encode(), digest_size=8).hexdigest()}
 
     # -- rank states (training thread, or under the run's lock) ------------------------------------
     def move(self, rank: int, new: RankState) -> None:
@@ -230,7 +270,33 @@ class Membership:
 
     def fail_rank(self, rank: int, exc: BaseException | None = None) -> bool:
         """Take ``rank`` out and restart it in the background, once per failure. Returns False
-        if it was already being restarted (the same failure reported twice)."""
+        if it was already being restarted (the same failure reported twice). In a sharded run
+        the other ranks of its replica group are taken out too, and the group restarts as one
+        (:meth:`_restart_group`)."""
+        if not self._take_out(rank, exc):
+            return False
+        ranks = [rank]
+        if self.layout.size > 1:
+            g = self.layout.group_of(rank)
+            for partner in self.layout.members(rank):
+                if partner != rank and self.state.get(partner) in (RankState.LIVE, RankState.READY):
+                    why = GroupFailed(f"rank {partner}: rank {rank} of its replica group {g} failed "
+                                      f"({cause_of(exc) or 'failure'})")
+                    if self._take_out(partner, why):
+                        ranks.append(partner)
+        if self.run.stopping:
+            return True
+        if self.layout.size > 1:
+            target, args, name = self._restart_group, (sorted(ranks),), f"group-{self.layout.group_of(rank)}"
+        else:
+            target, args, name = self._restart, (rank,), str(rank)
+        thread = threading.Thread(target=target, args=args, name=f"monarch_nb-restart-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return True
+
+    def _take_out(self, rank: int, exc: BaseException | None) -> bool:
+        """Record ``rank``'s failure and move it to restarting; False if it already was (or is out)."""
         now = time.monotonic()
         with self.run.lock:
             state = self.state.get(rank)
@@ -248,12 +314,49 @@ class Membership:
             self.move(rank, RankState.RESTARTING)
             for rec in recs:
                 rec.restarted = True
-        if self.run.stopping:
-            return True
-        thread = threading.Thread(target=self._restart, args=(rank,), name=f"monarch_nb-restart-{rank}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
         return True
+
+    def _restart_group(self, ranks: list[int]) -> None:
+        """A restart thread of a sharded run: restart ``ranks`` (a replica group's) together, then
+        set them up under a new incarnation of the group (each attempt a new one, so a new group
+        never meets a dead incarnation's keys); any failure restarts them all again."""
+        from ..runtime.hosts import AttachError
+
+        g = self.layout.group_of(ranks[0])
+        last: BaseException | None = None
+        attempt = 0
+        while attempt < _RESTART_ATTEMPTS and not self.run.stopping:
+            self.generation[g] = generation = self.generation.get(g, 0) + 1
+            try:
+                with ThreadPoolExecutor(len(ranks), thread_name_prefix="monarch_nb-restart-proc") as pool:
+                    for done in [pool.submit(self._restart_proc, r) for r in ranks]:
+                        done.result()
+                futures = {r: self.trainers[r].setup.call_one(generation) for r in ranks if r in self.trainers}
+                _, errors = wait_all(futures, self.options.restart_timeout_s, self.run.stop_event)
+                if errors:
+                    raise next(iter(errors.values()))
+                for r in ranks:
+                    self.events.put(("ready", r))
+                return
+            except MeshStoppedError:
+                return
+            except AttachError as exc:
+                last = exc
+                self._wait_for_host(ranks[0])
+            except Exception as exc:
+                if self.run.stopping:
+                    return
+                attempt += 1
+                last = exc
+                log.warning("restarting replica group %d (ranks %s) failed (attempt %d of %d): %s", g, ranks, attempt,
+                            _RESTART_ATTEMPTS, (str(exc).splitlines() or [type(exc).__name__])[0])
+        if not self.run.stopping:
+            for r in ranks:
+                self.events.put(("restart_failed", r, last))
+
+    def _restart_proc(self, rank: int) -> None:
+        self._wait_until_dead(rank)
+        self.procs.restart(rank, timeout_s=self.options.restart_timeout_s)
 
     def _wait_until_dead(self, rank: int, timeout_s: float = 5.0) -> None:
         """A hung rank is being fenced: let its exit be seen before restarting it, so the fence's
@@ -340,7 +443,7 @@ class Membership:
         o = self.options
         self.run.phase("forming quorum")
         for _ in range(20):
-            ranks = self.live
+            ranks = self.quorum_ranks
             if not ranks:
                 self.broken = True
                 return
@@ -368,101 +471,6 @@ class Membership:
                      ", ".join(f"{r}: {type(e).__name__}" for r, e in errors.items()))
         raise TrainingError("could not form a quorum after 20 tries")
 
-    # -- heals ------------------------------------------------------------------------------------
-    def heal_ready(self) -> list[int]:
-        """Heal every ready rank from a live donor (the ranks are idle at a step boundary); returns
-        the ranks that are live again (a quorum must then be formed)."""
-        joined: list[int] = []
-        for rank in self.ready:
-            if not self.live:
-                break
-            donor = self.live[0]
-            self.run.phase("healing")
-            t0 = time.monotonic()
-            try:
-                info = self.heal(rank, donor)
-            except Stopped:
-                raise
-            except BaseException as exc:
-                culprit = getattr(exc, "rank", None)
-                if culprit == donor and isinstance(exc, (SupervisionError, ActorError)):
-                    self.fail_rank(donor, exc)  # the joiner stays ready: healed from another donor next
-                else:
-                    log.warning("healing rank %d failed: %s; restarting it again", rank, exc)
-                    self.fail_rank(rank, exc)
-                continue
-            self.move(rank, RankState.LIVE)
-            with self.run.lock:
-                for rec in self._open.get(rank, []):
-                    if rec.restarted and rec.heal_ms is None:
-                        rec.heal_ms = (time.monotonic() - t0) * 1e3
-                        rec.heal_bytes, rec.heal_chunks = info["nbytes"], info["chunks"]
-            joined.append(rank)
-        return joined
-
-    def heal(self, rank: int, donor: int) -> dict:
-        """Stream ``donor``'s state to ``rank`` through the controller, chunk by chunk, checked."""
-        timeout = self.options.collective_timeout_s
-        donor_t, joiner_t = self.trainers[donor], self.trainers[rank]
-        manifest = self._get(donor_t.state_manifest.call_one(), timeout)
-        try:
-            self._get(joiner_t.load_begin.call_one(manifest), timeout)
-            for i in range(manifest["chunks"]):
-                pieces = self._get(donor_t.state_chunk.call_one(i), timeout)
-                self._get(joiner_t.load_chunk.call_one(i, pieces), timeout)
-        finally:
-            try:
-                self._get(donor_t.state_done.call_one(), timeout)
-            except Stopped:
-                raise
-            except Exception:
-                log.debug("releasing the donor's state failed", exc_info=True)
-        result = self._get(joiner_t.load_end.call_one(), timeout)
-        return {**result, "nbytes": manifest["nbytes"], "chunks": manifest["chunks"]}
-
-    def _get(self, future: Any, timeout_s: float) -> Any:
-        """``future.get`` with a deadline that gives up at once when the run stops."""
-        values, errors = wait_all({0: future}, timeout_s, self.run.stop_event)
-        if errors:
-            raise errors[0]
-        return values[0]
-
-    def catch_up(self, next_steps: dict[int, int]) -> int:
-        """Make the live ranks agree after a failure: the ranks one step behind apply the last
-        step's averaged gradient from a rank that applied it. Returns the agreed next step.
-
-        ``next_steps``: each live rank's next step. A rank more than one step behind (not
-        possible with windows of one quorum) is restarted and healed.
-        """
-        if not next_steps:
-            return 0
-        ahead = max(next_steps.values())
-        behind = [r for r, s in next_steps.items() if s == ahead - 1]
-        for r, s in next_steps.items():
-            if s < ahead - 1:
-                log.warning("rank %d is at step %d, %d behind; healing it", r, s, ahead - s)
-                self.fail_rank(r, RuntimeError(f"rank {r} fell {ahead - s} steps behind"))
-        if not behind:
-            return ahead
-        donors = [r for r, s in next_steps.items() if s == ahead and self.state.get(r) == RankState.LIVE]
-        timeout = self.options.collective_timeout_s
-        for donor in donors:
-            try:
-                grad = self._get(self.trainers[donor].gradient.call_one(ahead - 1), timeout)
-                break
-            except Stopped:
-                raise
-            except Exception as exc:
-                if own_failure(exc):
-                    self.fail_rank(donor, exc)
-        else:  # every rank that applied the last step is gone: the others have not, redo it
-            return ahead - 1
-        futures = {r: self.trainers[r].apply_gradient.call_one(ahead - 1, grad) for r in behind}
-        _, errors = wait_all(futures, timeout, self.run.stop_event)
-        for r, exc in errors.items():
-            self.fail_rank(r, exc)
-        return ahead
-
     def checksums(self, timeout_s: float | None = None) -> dict:
         """Parameter checksums of the live ranks (ranks that fail to answer are failed)."""
         futures = {r: self.trainers[r].checksum.call_one() for r in self.live}
@@ -471,28 +479,3 @@ class Membership:
             self.fail_rank(rank, exc)
         return values
 
-    # -- restore from a snapshot --------------------------------------------------------------------
-    def restore(self, path: str) -> dict[int, dict]:
-        """Load the snapshot at ``path`` into every ready rank; returns ``{rank: result}`` of the
-        ranks that loaded it (they are live now). Ranks that fail are restarted again.
-
-        Raises:
-            TrainingError: no rank could load it (the message says why).
-        """
-        self.run.phase("restoring")
-        ranks = self.ready
-        futures = {r: self.trainers[r].restore_snapshot.call_one(path) for r in ranks}
-        values, errors = wait_all(futures, self.options.collective_timeout_s + 5.0, self.run.stop_event)
-        bad_snapshot = [e for e in errors.values() if isinstance(e, ActorError)
-                        and e.exception_type in ("ValueError", "FileNotFoundError")]
-        if not values and bad_snapshot:
-            raise TrainingError(f"every rank failed at once, and the snapshot cannot be used: {bad_snapshot[0]}")
-        for r, exc in errors.items():
-            self.fail_rank(r, exc)
-        if not values:
-            raise TrainingError("every rank failed at once, and no restarted rank could load the snapshot")
-        step = max(v["next_step"] for v in values.values())
-        for r, v in values.items():
-            if v["next_step"] == step:
-                self.move(r, RankState.LIVE)
-        return {r: v for r, v in values.items() if v["next_step"] == step}

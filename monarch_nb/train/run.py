@@ -360,7 +360,10 @@ def fit(
             :func:`~monarch_nb.attach_to_workers` or ``job.state().trainers``: ``procs`` ranks
             on each of its hosts, numbered host by host; the run's rendezvous store listens on
             the controller's address those hosts reach; the ranks of a lost host are failed
-            ranks that wait for their host to be attached again, then rejoin).
+            ranks that wait for their host to be attached again, then rejoin), ``group_size`` and
+            ``parallelism`` (``"fsdp"``: FSDP2 inside replica groups of ``group_size`` ranks,
+            HSDP across them, fault tolerance across groups; or a callable
+            ``parallelize(model, device_mesh)``; see :mod:`monarch_nb.train.sharding`).
 
     Returns:
         The :class:`TrainReport` (also written as JSON to ``report_json`` if given).

@@ -35,6 +35,7 @@ from ..actor.endpoint import Actor, endpoint
 from . import current
 from .data import SampleOrder, digest, shard_bounds
 from .trainer_loop import FINISH, LoopDriver, WindowOrder
+from .sharding import GroupLayout, form_group, local, parallelize
 from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
 from .trainer_state import StateEndpoints
 from .trainer_step import Stepping
@@ -105,6 +106,7 @@ def _params_checksum(state: dict) -> str:
 
     def feed(prefix: str, obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
+            obj = local(obj)
             h.update(f"{prefix}|{obj.dtype}|{tuple(obj.shape)}|{checksum(obj)}\n".encode())
         elif isinstance(obj, dict):
             for k, v in obj.items():
@@ -151,10 +153,13 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         backend: "gloo", "nccl" or None (gloo on CPU, nccl on CUDA and on ROCm where nccl is RCCL).
         collective_timeout_s: timeout of rendezvous and collectives, seconds.
         chunk_bytes: largest piece of state sent per heal message, bytes.
+        group_size, parallelism: the replica groups and how the model is split inside one (see
+            :mod:`.sharding`; 1 and "ddp": every rank a whole replica).
     """
 
     def __init__(self, loop: TrainingLoop, seed: int, store_host: str, store_port: int, backend: str | None = None,
-                 collective_timeout_s: float = 10.0, chunk_bytes: int = 4 << 20):
+                 collective_timeout_s: float = 10.0, chunk_bytes: int = 4 << 20, group_size: int = 1,
+                 parallelism: Any = "ddp"):
         # Light on purpose: the actor is built on every proc at once (and again by a restart); the
         # function starts in :meth:`setup`, a call like any other that can fail on one rank.
         self._config = (loop, seed, backend)
@@ -162,12 +167,17 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         self.collective_timeout_s = collective_timeout_s
         self.chunk_bytes = chunk_bytes
         self.rank = int(os.environ.get("RANK", "0"))
+        self.layout = GroupLayout(group_size)
+        self.parallelism = parallelism
+        self._sharded = group_size > 1 or parallelism != "ddp"
+        self._group_generation = 0
         self._ready = False
 
     @endpoint
-    def setup(self) -> dict:
+    def setup(self, group_generation: int = 0) -> dict:
         """Start the training function; return once it asks ``ft.batches`` for its first step.
-        Idempotent. Returns ``{"rank", "setup_ms", "next_step", "num_samples", "global_batch",
+        ``group_generation``: in a sharded run, the incarnation of this rank's replica group
+        (its partners' ``ft.wrap`` meet under it). Idempotent. Returns ``{"rank", "setup_ms", "next_step", "num_samples", "global_batch",
         "steps", "evaluator" (bool), "name"}``: what the function's ``ft.batches`` asked for.
 
         Raises:
@@ -184,6 +194,7 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         if self._ready:
             return self._setup_info(t0)
         loop, seed, backend = self._config
+        self._group_generation = group_generation
         hip_ext.load()  # compiled grad_health / checksum kernels; the pure-torch ones, with a log line, if none
         # the runtime shares each machine's cores among the procs on it (hosts on one machine too)
         threads = os.environ.get("MONARCH_NB_CPU_THREADS")
@@ -216,11 +227,16 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         self._writer = None
         current.trainer = self
         self._driver = LoopDriver(loop.fn, loop.args, loop.kwargs, loop.name)
-        self._driver.start(self.collective_timeout_s * 6 + 60.0)
+        self._driver.start(self._setup_timeout_s())
         if self.model is None:
             raise RuntimeError("the training function asked ft.batches for a step before ft.wrap(model, optimizer)")
         self._ready = True
         return self._setup_info(t0)
+
+    def _setup_timeout_s(self) -> float:
+        """How long the function may take to reach its first step, seconds (heavy imports, a
+        data set to load, partners of a replica group that start cold)."""
+        return self.collective_timeout_s * 6 + 60.0
 
     def _setup_info(self, t0: float) -> dict:
         return {"rank": self.rank, "setup_ms": (time.monotonic() - t0) * 1e3, "next_step": self.next_step,
@@ -229,6 +245,24 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
                 "evaluator": self.evaluator is not None, "name": self._driver.name}
 
     # -- the loop thread's side (called from ft) ----------------------------------------------------
+    def _split(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        """``ft.wrap`` of a sharded run: join this rank's replica group, split the model over it."""
+        form_group(self.store_host, self.store_port, self.layout, self.rank, self._group_generation, self.backend,
+                   self._setup_timeout_s(), self.collective_timeout_s)
+        return parallelize(model, optimizer, self.parallelism, self.device.type)
+
+    def _group_weight(self, step: int) -> int | None:
+        """The samples of step ``step`` on this rank's replica group (None in an unsharded run):
+        FSDP averaged the local gradient over the group's ranks."""
+        if not self._sharded:
+            return None
+        batch = len(self.order.batch(step))
+        total = 0
+        for r in self.layout.members(self.rank):
+            lo, hi = shard_bounds(batch, self._world, self._ranks.index(r))
+            total += hi - lo
+        return total
+
     def _bind_data(self, data: Any, global_batch: int, steps: int) -> None:
         if self._data is not None:
             raise RuntimeError("one ft.batches loop per run of the training function")
@@ -282,7 +316,8 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         w = self._window
         indices = self._shard(step)
         try:
-            rec = self._reduce_and_apply(step, len(indices), loss, correct, step in w.order.split)
+            rec = self._reduce_and_apply(step, len(indices), loss, correct, step in w.order.split,
+                                         self._group_weight(step))
         except CollectiveError as exc:
             w.end_with("collective_failed", step, str(exc))
             return
@@ -357,18 +392,20 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         """Checksum of the replica: parameters, buffers, optimizer state, registered state.
 
         Returns ``{"rank", "params_checksum" (str, 16 hex digits: see :func:`_params_checksum`),
-        "applied_steps", "next_step"}``. Equal on two replicas exactly when (barring a 64-bit
-        collision) all of that is bit-identical, on any device.
+        "applied_steps", "next_step", "shard" (this rank's shard index; 0 unsharded)}``. Equal on
+        two replicas (two ranks of one shard index) exactly when (barring a 64-bit collision) all
+        of that is bit-identical, on any device.
         """
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "registered": {name: obj.state_dict() for name, obj in self.registered.items()}}
         return {"rank": self.rank, "params_checksum": _params_checksum(state),
-                "applied_steps": self.applied_steps, "next_step": self.next_step}
+                "applied_steps": self.applied_steps, "next_step": self.next_step,
+                "shard": self.layout.shard_of(self.rank)}
 
     @endpoint
     def parameters(self) -> dict:
-        """The model's state dict (CPU tensors)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """The model's state dict (CPU tensors; in a sharded run, this rank's shards)."""
+        return {k: local(v).detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     @endpoint
     def evaluate(self) -> dict:
@@ -393,4 +430,4 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
             return
         if self._writer is not None:
             self._writer.wait_idle(2.0)
-        self._leave_group()
+        self._leave_replica_group()

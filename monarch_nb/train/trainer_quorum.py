@@ -1,5 +1,8 @@
 """A Trainer joining quorums: one process group of the live ranks at a time. Runs in procs.
 
+(In a sharded run, one process group per shard index across the live replica groups; see
+:mod:`.sharding`.)
+
 A *quorum* (torchft's term) is formed by the controller: every member calls
 :meth:`QuorumEndpoints.init_quorum` with the same number and ranks; they meet at a barrier in the
 controller's rendezvous store, then build a gloo (or nccl) process group under the quorum's key
@@ -79,6 +82,8 @@ class QuorumEndpoints:
 
     _store = None
     _pg_ready = False
+    _sharded = False
+    _cross = None
 
     def _store_client(self):
         import torch.distributed as dist
@@ -120,11 +125,14 @@ class QuorumEndpoints:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"quorum {quorum}: peers {ranks} did not all arrive within {self.collective_timeout_s} s")
             time.sleep(0.002)
-        if len(ranks) > 1:
+        abortable = _abortable_store(dist.PrefixStore(prefix + "pg/", store), store, prefix + "abort",
+                                     self.collective_timeout_s)
+        if self._sharded:
+            self._join_cross_group(abortable, ranks, broadcast_from)
+        elif len(ranks) > 1:
             dist.init_process_group(
                 self.backend,
-                store=_abortable_store(dist.PrefixStore(prefix + "pg/", store), store, prefix + "abort",
-                                       self.collective_timeout_s),
+                store=abortable,
                 rank=ranks.index(self.rank),
                 world_size=len(ranks),
                 timeout=timedelta(seconds=self.collective_timeout_s),
@@ -138,12 +146,49 @@ class QuorumEndpoints:
         self._broken = False
         return {"rank": self.rank, "quorum": quorum, "init_ms": (time.monotonic() - t0) * 1e3, "next_step": self.next_step}
 
-    def _leave_group(self) -> None:
+    def _join_cross_group(self, store, ranks: list[int], broadcast_from: int | None) -> None:
+        """A sharded run: the process group of this rank's shard index across the quorum's groups
+        (:func:`~.sharding.cross_group`); with ``broadcast_from``, every shard takes the one of
+        ``broadcast_from``'s group."""
         import torch.distributed as dist
 
+        from .sharding import broadcast, cross_group, local
+
+        shard = self.layout.shard_of(self.rank)
+        peers = [r for r in ranks if self.layout.shard_of(r) == shard]
+        if len(peers) <= 1:
+            return
+        self._cross = cross_group(self.backend, dist.PrefixStore(f"shard{shard}/", store), peers.index(self.rank),
+                                  len(peers), self.collective_timeout_s)
+        if broadcast_from is not None:
+            root = peers.index(self.layout.members(broadcast_from)[shard])
+            for tensor in self.model.state_dict().values():
+                broadcast(self._cross, local(tensor), root)
+
+    def _leave_group(self) -> None:
+        """Leave the quorum's process group (a sharded run keeps its replica group: FSDP's)."""
+        import torch.distributed as dist
+
+        cross, self._cross = self._cross, None
+        if cross is not None:
+            try:
+                cross.abort()
+            except Exception:  # a group broken by a peer's death: dropped anyway
+                log.debug("aborting the cross-group process group failed", exc_info=True)
         if self._pg_ready:
             self._pg_ready = False
             try:
                 dist.destroy_process_group()
             except Exception:  # a group broken by a peer's death: drop it anyway
                 log.debug("destroy_process_group failed", exc_info=True)
+
+    def _leave_replica_group(self) -> None:
+        """A sharded run's end: its replica group too."""
+        import torch.distributed as dist
+
+        self._leave_group()
+        if self._sharded and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                log.debug("destroying the replica group failed", exc_info=True)

@@ -44,6 +44,7 @@ from typing import Any
 
 from ..actor.endpoint import endpoint
 from ..faults.worker import take_nan
+from .sharding import all_reduce_sum, grad_like, local
 from .trainer_quorum import CollectiveError
 
 __all__ = ["Stepping", "STATS", "grad_health", "persistent_buffers"]
@@ -87,6 +88,8 @@ class Stepping:
     applied_steps = 0  # updates applied to the parameters
     next_step = 0  # the step whose update comes next
     _attempt_step = -1  # the step whose start state is kept (see _begin_step)
+    _sharded = False  # the model is split inside a replica group (see .sharding)
+    _cross: Any = None  # the shard index's process group across groups (sharded runs)
 
     def _adopt(self, model, optimizer) -> None:
         """Take ``model`` and ``optimizer`` (``ft.wrap``): flat buffers for gradients and buffers."""
@@ -98,10 +101,10 @@ class Stepping:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._all_buffers = persistent_buffers(model)
         self._avg_buffers = [b for b in self._all_buffers if b.is_floating_point()]
-        self._n = sum(p.numel() for p in self.params)
+        self._n = sum(local(p).numel() for p in self.params)
         self._nb = sum(b.numel() for b in self._avg_buffers)
-        self._direct = all(p.dtype == torch.float32 and p.is_contiguous() for p in self.params)
-        device = self.params[0].device if self.params else torch.device("cpu")
+        self._direct = not self._sharded and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.params)
+        device = local(self.params[0]).device if self.params else torch.device("cpu")
         self._bufs = [torch.zeros(self._n + self._nb + STATS, dtype=torch.float32, device=device) for _ in range(2)]
         self._views = [self._param_views(buf) for buf in self._bufs]
         self._reduced_step = [-1, -1]  # which step's reduced gradient each buffer holds
@@ -177,10 +180,11 @@ class Stepping:
 
     # -- a step's end ------------------------------------------------------------------------------
     def _reduce_and_apply(self, step: int, samples: int, loss: float | None, correct: int | None,
-                          split: bool) -> tuple | None:
+                          split: bool, weight: int | None = None) -> tuple | None:
         """End step ``step`` (``ft.step``): reduce over the quorum, apply. Returns ``(mean loss,
         batch accuracy or None, local gradient norm)``, or None if the reduced gradient is not
-        finite (nothing applied).
+        finite (nothing applied). ``weight``: the samples the local gradient stands for (default
+        ``samples``; in a sharded run the group's, since FSDP already averaged it over the group).
 
         Raises:
             CollectiveError: a peer failed during the all-reduce.
@@ -194,8 +198,9 @@ class Stepping:
             grads[0] = float("nan")
         sum_sq, nonfinite = grad_health([grads])
         self._local_nonfinite = nonfinite > 0
-        if samples:
-            grads.mul_(samples)  # the mean over this rank's samples -> their sum
+        weight = samples if weight is None else weight
+        if weight:
+            grads.mul_(weight)  # the mean over the samples it stands for -> their sum
         else:
             grads.zero_()
         if self._nb:
@@ -217,9 +222,9 @@ class Stepping:
     def _gather_grads(self, grads) -> None:
         offset = 0
         for p in self.params:
-            n = p.numel()
+            n = local(p).numel()
             if p.grad is not None:
-                grads[offset : offset + n].copy_(p.grad.reshape(-1))
+                grads[offset : offset + n].copy_(local(p.grad).reshape(-1))
             offset += n
 
     def _apply(self, which: int, step: int, set_grads: bool = True) -> None:
@@ -232,8 +237,8 @@ class Stepping:
         else:
             offset = 0
             for p in self.params:
-                n = p.numel()
-                p.grad = buf[offset : offset + n].view(p.shape).to(p.dtype)
+                n = local(p).numel()
+                p.grad = grad_like(p, buf[offset : offset + n])
                 offset += n
         offset = self._n
         for b in self._avg_buffers:
@@ -254,25 +259,69 @@ class Stepping:
     def _all_reduce(self, buf, step: int, split: bool) -> None:
         import torch.distributed as dist
 
+        if self._sharded:
+            self._all_reduce_sharded(buf, step, split)
+            return
         if self._world <= 1:
             return
+        error = self._reduce_pieces(buf, step, split, lambda piece: dist.all_reduce(piece, op=dist.ReduceOp.SUM))
+        if error is not None:
+            self._collective_failed(step, error)
+
+    def _reduce_pieces(self, buf, step: int, split: bool, reduce: Any) -> str | None:
+        """``reduce`` each piece of ``buf`` (two with ``split``); the error's text, or None."""
         pieces = buf.tensor_split(2) if split else (buf,)
-        error = None
         try:
             for i, piece in enumerate(pieces):
                 if i == 1 and self._kill_in_collective_at == step:
                     os.kill(os.getpid(), signal.SIGKILL)  # a real death between buckets of the reduction
-                dist.all_reduce(piece, op=dist.ReduceOp.SUM)
+                reduce(piece)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _collective_failed(self, step: int, error: str) -> None:
+        # Close this group's connections now: in a ring only the dead rank's neighbours see the
+        # reset, the others wait on them and are released by this close. The exception's
+        # traceback holds the group, so it is dropped (the caller's except block ended) before
+        # the group is destroyed (freed by refcount: no gc.collect, which costs ~0.4 s here).
+        self._broken = True
+        self._leave_group()
+        raise CollectiveError(f"rank {self.rank}: all_reduce of step {step} failed: {error}")
+
+    def _all_reduce_sharded(self, buf, step: int, split: bool) -> None:
+        """A sharded run's reduction: the buffers and statistics summed over the replica group (its
+        default group: every member holds the same parameter shards' peers), then every shard
+        summed with the same shard of the other live groups (:attr:`_cross`), then a vote in the
+        group: the step is applied by all of its members or by none (a partner whose shard's
+        reduction failed), so a group never holds half an update."""
+        import torch
+        import torch.distributed as dist
+
+        error = None
+        try:
+            if dist.get_world_size() > 1:
+                dist.all_reduce(buf[self._n :], op=dist.ReduceOp.SUM)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc} (in its replica group)"
+        if error is None and self._cross is not None:
+            error = self._reduce_pieces(buf, step, split, lambda piece: all_reduce_sum(self._cross, piece))
+        if error is None and dist.get_world_size() > 1:
+            failed = torch.zeros(1)
+            try:
+                dist.all_reduce(failed, op=dist.ReduceOp.SUM)  # 0 unless a partner's reduction failed
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc} (its replica group's vote)"
+            else:
+                if failed.item() > 0:
+                    error = "a partner in its replica group could not reduce its shard"
+        elif error is not None and dist.get_world_size() > 1:
+            try:  # tell the partners, who wait in the vote
+                dist.all_reduce(torch.ones(1), op=dist.ReduceOp.SUM)
+            except Exception:
+                log.debug("rank %d: the replica group's vote failed too", self.rank)
         if error is not None:
-            # Close this group's connections now: in a ring only the dead rank's neighbours see the
-            # reset, the others wait on them and are released by this close. The exception's
-            # traceback holds the group, so it is dropped (end of the except block) before the
-            # group is destroyed (freed by refcount: no gc.collect, which costs ~0.4 s here).
-            self._broken = True
-            self._leave_group()
-            raise CollectiveError(f"rank {self.rank}: all_reduce of step {step} failed: {error}")
+            self._collective_failed(step, error)
 
     @endpoint
     def arm_kill_in_collective(self, step: int) -> None:

@@ -18,19 +18,22 @@ import hashlib
 import pickle
 import random
 
+from .sharding import like_sharded, local
+
 __all__ = ["TensorSlot", "capture", "manifest", "meta_digest", "Incoming", "stream_slice", "bytes_view"]
 
 
 class TensorSlot:
-    """Stands for tensor ``index`` of the state stream in a skeleton."""
+    """Stands for tensor ``index`` of the state stream in a skeleton; ``sharded``: it is this
+    rank's shard of a DTensor (``shape`` is the shard's), laid out again like the receiver's."""
 
-    __slots__ = ("index", "shape", "dtype")
+    __slots__ = ("index", "shape", "dtype", "sharded")
 
-    def __init__(self, index: int, shape: tuple, dtype: str):
-        self.index, self.shape, self.dtype = index, shape, dtype
+    def __init__(self, index: int, shape: tuple, dtype: str, sharded: bool = False):
+        self.index, self.shape, self.dtype, self.sharded = index, shape, dtype, sharded
 
     def __reduce__(self):
-        return TensorSlot, (self.index, self.shape, self.dtype)
+        return TensorSlot, (self.index, self.shape, self.dtype, self.sharded)
 
 
 # -- the state as a stream ------------------------------------------------------------------------
@@ -46,8 +49,10 @@ def capture(model, optimizer, applied_steps: int, next_step: int, rank: int,
 
     def strip(obj):
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach())
-            return TensorSlot(len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
+            part = local(obj)  # a DTensor's shard (a sharded run): its bytes, in the receiver's shard
+            tensors.append(part.detach())
+            return TensorSlot(len(tensors) - 1, tuple(part.shape), str(part.dtype).replace("torch.", ""),
+                              part is not obj)
         if isinstance(obj, dict):
             return {k: strip(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -153,8 +158,9 @@ class Incoming:
             if isinstance(skel, TensorSlot):
                 dtype = getattr(torch, skel.dtype)
                 cpu = device.type == "cpu"
-                if cpu and live is not None and tuple(live.shape) == skel.shape and live.dtype == dtype:
-                    targets.append((skel.index, live))
+                part = local(live) if live is not None else None
+                if cpu and part is not None and tuple(part.shape) == skel.shape and part.dtype == dtype:
+                    targets.append((skel.index, part))
                 else:
                     targets.append((skel.index, torch.empty(skel.shape, dtype=dtype)))  # staged on CPU
             elif isinstance(skel, dict):
@@ -208,22 +214,31 @@ class Incoming:
             )
         tensors = self.tensors
 
-        def fill(skel):
+        def fill(skel, like=None):
+            """The state ``skel`` stands for; a shard laid out like ``like`` (the receiver's own)."""
             if isinstance(skel, TensorSlot):
-                return tensors[skel.index]
+                value = tensors[skel.index]
+                return like_sharded(value, like) if skel.sharded and like is not None else value
             if isinstance(skel, dict):
-                return {k: fill(v) for k, v in skel.items()}
+                return {k: fill(v, like.get(k) if isinstance(like, dict) else like) for k, v in skel.items()}
             if isinstance(skel, (list, tuple)):
-                return type(skel)(fill(v) for v in skel)
+                return type(skel)(fill(v, like) for v in skel)
             return skel
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        opt_skel = manifest["skeleton"]["optimizer"]
+        opt_state = fill(opt_skel)
+        if isinstance(opt_skel, dict) and isinstance(opt_skel.get("state"), dict):  # torch.optim's layout
+            opt_state["state"] = {i: fill(s, params[i] if isinstance(i, int) and i < len(params) else None)
+                                  for i, s in opt_skel["state"].items()}
 
         theirs = manifest["skeleton"].get("registered", {})
         mine = registered or {}
         if set(theirs) != set(mine):
             raise ValueError(f"state from rank {meta['donor']} has registered state {sorted(theirs)}, this rank "
                              f"{sorted(mine)}: every rank must ft.register the same names")
-        model.load_state_dict(fill(manifest["skeleton"]["model"]))
-        optimizer.load_state_dict(fill(manifest["skeleton"]["optimizer"]))
+        model.load_state_dict(fill(manifest["skeleton"]["model"], model.state_dict()))
+        optimizer.load_state_dict(opt_state)
         for name, skel in theirs.items():
             mine[name].load_state_dict(fill(skel))
         torch.set_rng_state(torch.from_numpy(np.frombuffer(meta["torch_rng"], dtype=np.uint8).copy()))

@@ -1,0 +1,134 @@
+"""Sharded training under fault tolerance: FSDP2 inside replica groups, HSDP across them. Real procs.
+
+``parallelism="fsdp", group_size=2`` on 4 ranks is two replicas of two shards each. Fault free,
+every rank's shards are bit-identical to torch's own HSDP (``fully_shard`` on a 2-D mesh under
+torchrun, same seed and batches). A shard holder killed inside FSDP's reduce-scatter and another
+killed inside the cross-group all-reduce: the run commits every step, loses no sample, restarts
+the failed group and heals it shard by shard, and every shard ends identical across the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import monarch_nb.train as mt
+from monarch_nb import ft
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12
+
+pytestmark = pytest.mark.usefixtures("patient_hang_timeout")
+
+
+def _native_hsdp_shards(tmp_path, steps: int) -> dict:
+    """``{rank: {name: local shard}}`` after ``steps`` steps of torch's HSDP (bench/_hsdp_train.py)."""
+    import torch
+
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(REPO, "bench", "_hsdp_train.py"), "--steps", str(steps), "--group-size", "2",
+           "--out", str(tmp_path / "hsdp.json"), "--shards-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(4)}
+
+
+def test_fsdp_in_groups_of_two_is_bit_identical_to_native_hsdp(tmp_path):
+    import numpy as np
+
+    run = mt.start("digits", procs=4, steps=STEPS, group_size=2, parallelism="fsdp", eval_every=0,
+                   keep_parameters=True)
+    report = run.report(timeout=240)
+    assert report.steps == STEPS and report.replicas_identical and not report.failures
+    native = _native_hsdp_shards(tmp_path, STEPS)
+    assert sorted(run.parameters) == [0, 1, 2, 3]
+    for rank, shards in run.parameters.items():
+        assert sorted(shards) == sorted(native[rank]), rank
+        for name, tensor in shards.items():
+            assert tensor.shape == native[rank][name].shape, (rank, name)
+            assert np.array_equal(tensor.numpy(), native[rank][name].numpy()), (rank, name)
+    # a replica is split in two: each rank holds half of each weight matrix's rows
+    full = sum(t.numel() for t in native[0].values()) + sum(t.numel() for t in native[1].values())
+    assert sum(t.numel() for t in run.parameters[0].values()) < full
+
+
+def _data(n: int = 960, seed: int = 5):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 12, generator=g)
+    y = (x[:, 0] - 0.5 * x[:, 2] > 0).long()
+    return x, y
+
+
+def sharded_train(steps: int, marker_dir: str):
+    """A user's loop (BatchNorm, AdamW) in which rank 1 dies inside FSDP's reduce-scatter of step
+    8, then, once every group is back (the quorum has 4 ranks again), rank 2 dies inside the
+    cross-group all-reduce (once each: a marker file is written first)."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from monarch_nb.train import trainer_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 2))
+    model, opt = ft.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    reduce_scatter, cross_all_reduce = dist.reduce_scatter_single, trainer_step.all_reduce_sum
+
+    def dying(where: str):
+        def die(*args, **kwargs):
+            with open(os.path.join(marker_dir, where), "w") as f:
+                f.write(f"rank {ft.rank()} killed in the {where}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return die
+
+    def once(where: str) -> bool:
+        return not os.path.exists(os.path.join(marker_dir, where))
+
+    for step, (x, y) in ft.batches(_data(), batch_size=32, steps=steps):
+        in_rs = step == 8 and ft.rank() == 1 and once("reduce-scatter")
+        in_ar = step >= 16 and ft.rank() == 2 and ft.world_size() == 4 and not once("reduce-scatter") and \
+            once("all-reduce")
+        dist.reduce_scatter_single = dying("reduce-scatter") if in_rs else reduce_scatter
+        trainer_step.all_reduce_sum = dying("all-reduce") if in_ar else cross_all_reduce
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        loss.backward()
+        ft.step(opt, loss=loss, correct=int((out.argmax(-1) == y).sum()))
+    return ft.report()
+
+
+def test_shard_holders_killed_in_the_reduce_scatter_and_in_the_cross_group_all_reduce(tmp_path):
+    steps = 120
+    run = mt.start(sharded_train, procs=4, group_size=2, parallelism="fsdp", args=(steps, str(tmp_path)),
+                   spares=2, window_steps=4)
+    report = run.report(timeout=300)
+    assert (tmp_path / "reduce-scatter").exists(), "rank 1 never reached its reduce-scatter kill"
+    assert (tmp_path / "all-reduce").exists(), "the first group was not back before the run ended"
+    assert report.steps == steps
+    assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)
+    assert report.replicas_identical, report.failures
+    # each dead rank's partner is taken out with it, and each group restarts as one
+    kinds = sorted((f["rank"], f["kind"]) for f in report.failures)
+    assert kinds == [(0, "group"), (1, "crash"), (2, "crash"), (3, "group")], report.failures
+    for f in report.failures:
+        assert f["rejoined_by"] == "heal" and f["replicas_identical_after_rejoin"], f
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(procs=3, group_size=2, parallelism="fsdp"), "does not divide the 3 procs"),
+    (dict(procs=4, group_size=2), "parallelism='fsdp'"),
+    (dict(procs=4, group_size=2, parallelism="zero3"), "parallelism must be"),
+    (dict(procs=4, group_size=2, parallelism="fsdp", snapshot_every=5), "no shared-memory snapshots yet"),
+])
+def test_a_layout_that_cannot_work_is_refused_before_anything_starts(options, message):
+    with pytest.raises(ValueError, match=message):
+        mt.start("digits", steps=5, **options)
