@@ -20,6 +20,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def train_step(workload, model, opt, idx) -> None:
+    """One plain step on this rank's samples ``idx``: the loss is their mean, as ``ft``'s is
+    (shared with bench/_hsdp_train.py)."""
+    inputs, targets = workload.train_batch(idx)
+    opt.zero_grad(set_to_none=True)
+    loss_sum, _ = workload.loss_sum(model, inputs, targets)
+    (loss_sum / max(1, len(idx))).backward()
+    opt.step()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workload", default="digits")
@@ -78,12 +88,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if attempt == 0 and step == args.kill_at and rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
-        idx = order.shard(step, ranks, rank)
-        inputs, targets = workload.train_batch(idx)
-        opt.zero_grad(set_to_none=True)
-        loss_sum, _ = workload.loss_sum(model, inputs, targets)
-        (loss_sum / max(1, len(idx))).backward()
-        opt.step()
+        train_step(workload, model, opt, order.shard(step, ranks, rank))
         step_s.append(time.perf_counter() - t0)
         if ckpt and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             if rank == 0:

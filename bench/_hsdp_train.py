@@ -20,6 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--out", required=True)
     p.add_argument("--shards-dir")
+    p.add_argument("--evaluate", action="store_true",
+                   help="the test set's loss at the end, as a monarch_nb run's final evaluation (same memory)")
     args = p.parse_args()
 
     from datetime import timedelta
@@ -40,6 +43,8 @@ def main() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from _ddp_train import train_step
 
     from monarch_nb.train.data import SampleOrder
     from monarch_nb.train.workloads import get_workload
@@ -64,14 +69,14 @@ def main() -> None:
     step_s, times = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        idx = order.shard(step, ranks, rank)
-        inputs, targets = workload.train_batch(idx)
-        opt.zero_grad(set_to_none=True)
-        loss_sum, _ = workload.loss_sum(model, inputs, targets)
-        (loss_sum / max(1, len(idx))).backward()
-        opt.step()
+        train_step(workload, model, opt, order.shard(step, ranks, rank))
         step_s.append(time.perf_counter() - t0)
         times.append(time.time())
+    if args.evaluate:
+        model.eval()
+        with torch.no_grad():
+            for inputs, targets in workload.test_batches():
+                workload.loss_sum(model, inputs, targets)
     if args.shards_dir:
         shards = {name: t.to_local().detach().clone() for name, t in model.state_dict().items()}
         torch.save(shards, os.path.join(args.shards_dir, f"rank{rank}.pt"))

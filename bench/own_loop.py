@@ -155,27 +155,34 @@ def run_torchft(python: str, kind: str, path: str, steps: int, groups: int, *, k
     return result
 
 
+def wait_whole(run, procs: int, spares: int, deadline: float) -> None:
+    """Until every one of ``procs`` ranks of ``run`` is live and serving and at least ``spares``
+    warm spares are ready (the pool refilled), the run ends, or ``time.monotonic()`` passes
+    ``deadline``."""
+    from monarch_nb.runtime.controller import Controller
+
+    ctrl = Controller.get()
+    while time.monotonic() < deadline and not run.done():
+        pool = [sp for h in ctrl.hosts.values() for sp in h.spares.get(run.mesh_name, [])]
+        if (len(run.live_ranks) == procs and all(ctrl.proc_record(run.mesh_name, r).serving for r in range(procs))
+                and len(pool) >= spares and all(sp["ready"] for sp in pool)):
+            return
+        time.sleep(0.05)
+
+
 def kills_during_ft(kind: str, path: str, procs: int, kills: int) -> dict:
     """``kills`` SIGKILLs during one long ``ft`` run, one at a time, each once every rank is back."""
     import monarch_nb.train as mt
     from _user_loop import ft_loop
-
-    from monarch_nb.runtime.controller import Controller
 
     run = mt.start(ft_loop, procs=procs, args=(kind, path, 10_000_000, BATCH[kind]), eval_every=0)
     try:
         deadline = time.monotonic() + 300
         while run.step < 20 and time.monotonic() < deadline and not run.done():
             time.sleep(0.05)
-        ctrl = Controller.get()
         for i in range(kills):
             rank = 1 + i % (procs - 1)
-            while time.monotonic() < deadline + 600 and not run.done():  # every rank back, the spare pool refilled
-                spares = [sp for h in ctrl.hosts.values() for sp in h.spares.get(run.mesh_name, [])]
-                if (len(run.live_ranks) == procs and ctrl.proc_record(run.mesh_name, rank).serving
-                        and spares and all(sp["ready"] for sp in spares)):
-                    break
-                time.sleep(0.05)
+            wait_whole(run, procs, 1, time.monotonic() + 600)
             time.sleep(0.3)  # a few steps of the full quorum first
             run.procs.inject(rank, "kill")
             while not run.done() and not any(f.kind == "kill" and f.rejoined_at for f in run._coordinator.m.failures[i:]):

@@ -181,7 +181,14 @@ def broadcast(group: Any, tensor: Any, root: int) -> None:
 
 
 def local(tensor: Any) -> Any:
-    """This rank's part of ``tensor``: a DTensor's local shard (a view of its storage), else the tensor."""
+    """This rank's part of ``tensor``: a DTensor's local shard (its storage), else the tensor.
+
+    The DTensor's ``_local_tensor`` itself where it has one: ``to_local()`` goes through an
+    autograd function, which cost 2.7 % of a sharded charlm step here (py-spy), and these reads
+    are outside autograd (the gradient's copy in and out of the flat buffer, the state stream)."""
+    part = getattr(tensor, "_local_tensor", None)
+    if part is not None:
+        return part
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
 

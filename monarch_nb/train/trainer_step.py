@@ -238,7 +238,10 @@ class Stepping:
             offset = 0
             for p in self.params:
                 n = local(p).numel()
-                p.grad = grad_like(p, buf[offset : offset + n])
+                if self._sharded and p.grad is not None:  # in place: no new DTensor per parameter
+                    local(p.grad).copy_(buf[offset : offset + n].view(local(p.grad).shape))
+                else:
+                    p.grad = grad_like(p, buf[offset : offset + n])
                 offset += n
         offset = self._n
         for b in self._avg_buffers:
@@ -290,36 +293,29 @@ class Stepping:
         raise CollectiveError(f"rank {self.rank}: all_reduce of step {step} failed: {error}")
 
     def _all_reduce_sharded(self, buf, step: int, split: bool) -> None:
-        """A sharded run's reduction: the buffers and statistics summed over the replica group (its
-        default group: every member holds the same parameter shards' peers), then every shard
-        summed with the same shard of the other live groups (:attr:`_cross`), then a vote in the
-        group: the step is applied by all of its members or by none (a partner whose shard's
-        reduction failed), so a group never holds half an update."""
+        """A sharded run's reduction: every shard (with its rank's buffers and statistics) summed
+        with the same shard of the other live groups (:attr:`_cross`), then one all-reduce in
+        the replica group (its default group) of a failure flag with the buffers and statistics:
+        it sums those over the group's shard indices too (so over every rank), and is the vote:
+        if any member's reduction failed, no member applies the step, so a group never holds
+        half an update. One collective more per step than native HSDP's, and it is 5+ floats."""
         import torch
         import torch.distributed as dist
 
         error = None
-        try:
-            if dist.get_world_size() > 1:
-                dist.all_reduce(buf[self._n :], op=dist.ReduceOp.SUM)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc} (in its replica group)"
-        if error is None and self._cross is not None:
+        if self._cross is not None:
             error = self._reduce_pieces(buf, step, split, lambda piece: all_reduce_sum(self._cross, piece))
-        if error is None and dist.get_world_size() > 1:
-            failed = torch.zeros(1)
+        if dist.get_world_size() > 1:
+            flag = torch.full((1,), 1.0 if error else 0.0, device=buf.device)  # on the GPU for nccl/RCCL
+            vote = torch.cat([flag, buf[self._n :]])
             try:
-                dist.all_reduce(failed, op=dist.ReduceOp.SUM)  # 0 unless a partner's reduction failed
+                dist.all_reduce(vote, op=dist.ReduceOp.SUM)
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc} (its replica group's vote)"
+                error = error or f"{type(exc).__name__}: {exc} (its replica group's vote)"
             else:
-                if failed.item() > 0:
-                    error = "a partner in its replica group could not reduce its shard"
-        elif error is not None and dist.get_world_size() > 1:
-            try:  # tell the partners, who wait in the vote
-                dist.all_reduce(torch.ones(1), op=dist.ReduceOp.SUM)
-            except Exception:
-                log.debug("rank %d: the replica group's vote failed too", self.rank)
+                if vote[0].item() > 0:
+                    error = error or "a partner in its replica group could not reduce its shard"
+                buf[self._n :].copy_(vote[1:])
         if error is not None:
             self._collective_failed(step, error)
 

@@ -1,0 +1,192 @@
+"""Sharded training: ``monarch_nb``'s FSDP-in-groups (HSDP) vs torch's native HSDP and plain FSDP2.
+
+    .venv/bin/python bench/sharded.py [--quick] [--workload charlm|digits] [--repeats 3] [--kills 6]
+
+One workload (the built-in ``charlm``, a small transformer, by default: tens of ms a step), the
+same model, seed, sample order and global batch everywhere, 4 ranks on this machine, measured in
+this one run:
+
+1. steady state over the last half of each run's steps (samples/s), interleaved, ``--repeats``
+   each (median): ``mt.fit(workload, group_size=2, parallelism="fsdp")`` (2 replicas x 2 shards,
+   fault tolerant; from the controller's commit times of the steps); torch's native HSDP
+   (``fully_shard`` on a ``(replicate=2, shard=2)`` mesh under ``torchrun``, bench/_hsdp_train.py;
+   from rank 0's times after each step); plain FSDP2 over the 4 ranks under ``torchrun``;
+2. memory per rank: peak RSS of every worker (``ru_maxrss``), both sides, each job ending with
+   the test set's loss (a run's final evaluation);
+3. ``--kills`` SIGKILLs of a shard holder during one long sharded run, one at a time (each once
+   every rank is back and the spare pool is full; 2 spares, so a whole group restarts warm): the
+   survivors' next commit after the kill, the group's rejoin (both ranks healed shard by shard),
+   p50 / p95, the heal bytes and milliseconds per rank; samples lost or repeated (the ledger).
+
+torchft 0.2.0 is not measured: it ships no HSDP integration that runs on CPU (its
+``fsdp_test.py`` drives ``fully_shard`` with an all-reduce hook on the Manager's group and is
+skipped without 4 CUDA GPUs; its device-mesh wrapper ``ft_init_device_mesh`` is gone), and the
+pattern it shows runs the cross-group all-reduce inside FSDP's post-backward hook, where a peer's
+death is an exception inside autograd.
+
+torchrun's store listens on every interface: those jobs run in a private network namespace
+(``unshare -n``) with only loopback, when there is one. Prints a table and writes
+bench/results/sharded.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+RESULTS = os.path.join(REPO, "bench", "results", "sharded.json")
+HSDP_SCRIPT = os.path.join(REPO, "bench", "_hsdp_train.py")
+PROCS, GROUP = 4, 2
+
+from own_loop import _steady, wait_whole  # noqa: E402
+from training import _free_port, _netns_prefix, _pct  # noqa: E402
+
+
+def run_ft(workload: str, steps: int, seed: int) -> dict:
+    """A fault-free sharded run; steady samples/s from the controller's commit time of each step."""
+    import monarch_nb.train as mt
+
+    commits: dict[int, float] = {}
+    run = mt.start(workload, procs=PROCS, steps=steps, group_size=GROUP, parallelism="fsdp", eval_every=0,
+                   seed=seed)
+    run.subscribe(lambda m: commits.__setitem__(m["step"], m["time_s"]) if m.get("type") == "step" else None)
+    report = run.report(timeout=1800)
+    times = [commits[s] for s in sorted(commits)]
+    return {**_steady(times, [report.global_batch] * len(times)), "replicas_identical": report.replicas_identical,
+            "peak_rss_bytes": report.worker_peak_rss_bytes, "step_ms_report_median": report.step_time_ms_median}
+
+
+def run_native(workload: str, steps: int, seed: int, group_size: int) -> dict:
+    """torch's HSDP (``group_size`` < world) or plain FSDP2 (``group_size`` == world) under torchrun."""
+    work = tempfile.mkdtemp(prefix="sharded-native-")
+    out = os.path.join(work, "summary.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(PROCS),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "0",
+           HSDP_SCRIPT, "--workload", workload, "--steps", str(steps), "--seed", str(seed),
+           "--group-size", str(group_size), "--out", out, "--evaluate"]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", LOGLEVEL="ERROR", TMPDIR=work, GLOO_SOCKET_IFNAME="lo")
+    try:
+        proc = subprocess.run(_netns_prefix() + cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        summary = json.load(open(out))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    times = summary["times"]
+    return {**_steady(times, [summary["global_batch"]] * len(times)), "peak_rss_bytes": summary["peak_rss_bytes"]}
+
+
+def kills(workload: str, n: int, seed: int) -> dict:
+    """``n`` SIGKILLs of a shard holder during one long sharded run, one at a time."""
+    import monarch_nb.train as mt
+
+    run = mt.start(workload, procs=PROCS, steps=10_000_000, group_size=GROUP, parallelism="fsdp", eval_every=0,
+                   seed=seed, spares=GROUP)
+    try:
+        deadline = time.monotonic() + 300
+        while run.step < 20 and time.monotonic() < deadline and not run.done():
+            time.sleep(0.05)
+        for i in range(n):
+            rank = [1, 2, 3, 0][i % PROCS]
+            wait_whole(run, PROCS, GROUP, time.monotonic() + 600)  # a whole group can restart warm
+            time.sleep(0.3)  # a few steps of the full quorum first
+            seen = len(run._coordinator.m.failures)
+            run.procs.inject(rank, "kill")
+            while not run.done() and not any(f.rejoined_at for f in run._coordinator.m.failures[seen:]
+                                              if f.kind == "kill"):
+                time.sleep(0.05)
+    finally:
+        run.stop(timeout=60)
+    report = run.report(timeout=10)
+    killed = [f for f in report.failures if f["kind"] == "kill"]
+    group = [f for f in report.failures if f["kind"] == "group"]
+    resume = [f["resume_latency_s"] for f in killed if f["resume_latency_s"] is not None]
+    rejoin = [max(f["rejoin_latency_s"] or 0, g["rejoin_latency_s"] or 0) for f, g in zip(killed, group)]
+    heals = [f for f in report.failures if f["heal_ms"] is not None]
+    return {"kills": len(killed), "resume_s": resume, "rejoin_s": rejoin,
+            "resume_p50_s": _pct(resume, 0.5), "resume_p95_s": _pct(resume, 0.95),
+            "rejoin_p50_s": _pct(rejoin, 0.5), "rejoin_p95_s": _pct(rejoin, 0.95),
+            "heal_bytes_per_rank": statistics.median(f["heal_bytes"] for f in heals) if heals else None,
+            "heal_ms_p50": _pct([f["heal_ms"] for f in heals], 0.5), "heal_ms_p95": _pct([f["heal_ms"] for f in heals], 0.95),
+            "samples_lost": report.samples_lost, "samples_repeated": report.samples_repeated,
+            "replicas_identical": report.replicas_identical, "groups_taken_out": len(group)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps, 1 repeat, 2 kills")
+    p.add_argument("--workload", choices=("charlm", "digits"), default="charlm")
+    p.add_argument("--steps", type=int, help="steps of each steady run (default 400 charlm / 1500 digits; quick: 120)")
+    p.add_argument("--repeats", type=int, help="steady runs of each runtime (median; default 3, quick 1)")
+    p.add_argument("--kills", type=int, help="SIGKILLs of a shard holder (default 6, quick 2)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    steps = args.steps or (120 if args.quick else {"charlm": 400, "digits": 1500}[args.workload])
+    repeats = args.repeats or (1 if args.quick else 3)
+    n_kills = args.kills if args.kills is not None else (2 if args.quick else 6)
+
+    from tqdm import tqdm
+
+    rows: dict[str, list] = {"ft_hsdp": [], "native_hsdp": [], "native_fsdp2": []}
+    with tqdm(total=repeats * 3, desc="steady runs", unit="run") as bar:
+        for _ in range(repeats):  # interleaved: every runtime sees the same machine load
+            rows["ft_hsdp"].append(run_ft(args.workload, steps, args.seed))
+            bar.update()
+            rows["native_hsdp"].append(run_native(args.workload, steps, args.seed, GROUP))
+            bar.update()
+            rows["native_fsdp2"].append(run_native(args.workload, steps, args.seed, PROCS))
+            bar.update()
+    med = {k: statistics.median(r["throughput_samples_per_s"] for r in v) for k, v in rows.items()}
+    peak = {k: statistics.median(max(r["peak_rss_bytes"]) for r in v) for k, v in rows.items()}
+    result = {
+        "workload": args.workload, "procs": PROCS, "group_size": GROUP, "steps": steps, "repeats": repeats,
+        "steady_samples_per_s": med, "ratio_vs_native_hsdp": med["ft_hsdp"] / med["native_hsdp"],
+        "per_run_ratios": [a["throughput_samples_per_s"] / b["throughput_samples_per_s"]
+                           for a, b in zip(rows["ft_hsdp"], rows["native_hsdp"])],
+        "peak_rss_bytes_max_rank": peak, "memory_ratio_vs_native_hsdp": peak["ft_hsdp"] / peak["native_hsdp"],
+        "runs": rows, "torchft": "not measured: no HSDP integration of torchft 0.2.0 runs on CPU (see the docstring)",
+    }
+    if n_kills:
+        result["kills"] = kills(args.workload, n_kills, args.seed)
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(result, f, indent=1)
+    _print(result)
+    print(f"written to {RESULTS}")
+    return 0
+
+
+def _print(r: dict) -> None:
+    s, m = r["steady_samples_per_s"], r["peak_rss_bytes_max_rank"]
+    print(f"\nsharded {r['workload']}: {r['procs']} ranks, groups of {r['group_size']}, median of {r['repeats']} run(s)\n")
+    print(f"{'measure':44} {'ft HSDP':>10} {'native HSDP':>12} {'FSDP2':>10}   ratio / target")
+    ratios = " ".join(f"{x:.2f}" for x in r["per_run_ratios"])
+    print(f"{'steady (samples/s)':44} {s['ft_hsdp']:10.0f} {s['native_hsdp']:12.0f} {s['native_fsdp2']:10.0f}   "
+          f"{r['ratio_vs_native_hsdp']:.3f}x / >= 0.95; per run {ratios}")
+    print(f"{'peak RSS, largest rank (MiB)':44} {m['ft_hsdp'] / 2**20:10.0f} {m['native_hsdp'] / 2**20:12.0f} "
+          f"{m['native_fsdp2'] / 2**20:10.0f}   {r['memory_ratio_vs_native_hsdp']:.3f}x / <= 1.10")
+    k = r.get("kills")
+    if k:
+        print(f"{'kill of a shard holder: next commit p50/p95 (s)':44} {k['resume_p50_s']:.3f} / {k['resume_p95_s']:.3f}"
+              f"   n={k['kills']}, target p95 <= 0.5")
+        print(f"{'group rejoined (2 ranks healed) p50/p95 (s)':44} {k['rejoin_p50_s']:.3f} / {k['rejoin_p95_s']:.3f}"
+              "   target p95 <= 2 (spares)")
+        print(f"{'heal per rank: bytes, ms p50/p95':44} {k['heal_bytes_per_rank']:.0f} B, {k['heal_ms_p50']:.1f} / "
+              f"{k['heal_ms_p95']:.1f} ms")
+        print(f"{'samples lost / repeated, identical':44} {k['samples_lost']} / {k['samples_repeated']}, "
+              f"{k['replicas_identical']}")
+    print(f"torchft: {r['torchft']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
