@@ -56,6 +56,38 @@ def test_fsdp_in_groups_of_two_is_bit_identical_to_native_hsdp(tmp_path):
     assert sum(t.numel() for t in run.parameters[0].values()) < full
 
 
+def test_every_group_killed_at_once_restores_the_sharded_snapshot():
+    """Both groups die within a second: the ranks restarted first load their shard's snapshot of
+    the newest step every shard has, the steps after it are redone, nothing is lost."""
+    import threading
+    import time
+
+    run = mt.start("digits", procs=4, steps=80, group_size=2, parallelism="fsdp", snapshot_every=8, window_steps=4,
+                   eval_every=0)
+    fired = threading.Event()
+
+    def kill_everyone(item):
+        if item.get("type") == "step" and item["step"] >= 30 and not fired.is_set():
+            fired.set()
+            for rank in (0, 2, 1, 3):
+                try:
+                    run.procs.inject(rank, "kill")
+                except RuntimeError:  # its group's restart already took it down
+                    pass
+                time.sleep(0.1)
+
+    run.subscribe(kill_everyone)
+    report = run.report(timeout=300)
+    assert fired.is_set() and report.restores, report.failures
+    assert report.steps == 80
+    assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)
+    assert report.replicas_identical
+    # a group back first loads the snapshot; one back later is healed from it
+    by = {f["rank"]: f["rejoined_by"] for f in report.failures}
+    assert sorted(by) == [0, 1, 2, 3] and set(by.values()) <= {"snapshot", "heal"}, report.failures
+    assert by[0] == by[1] and by[2] == by[3] and "snapshot" in by.values(), report.failures
+
+
 def _data(n: int = 960, seed: int = 5):
     import torch
 
@@ -127,7 +159,7 @@ def test_shard_holders_killed_in_the_reduce_scatter_and_in_the_cross_group_all_r
     (dict(procs=3, group_size=2, parallelism="fsdp"), "does not divide the 3 procs"),
     (dict(procs=4, group_size=2), "parallelism='fsdp'"),
     (dict(procs=4, group_size=2, parallelism="zero3"), "parallelism must be"),
-    (dict(procs=4, group_size=2, parallelism="fsdp", snapshot_every=5), "no shared-memory snapshots yet"),
+    (dict(procs=4, group_size=2, parallelism="fsdp", checkpoint_every=5, checkpoint_dir="/tmp"), "no disk checkpoints yet"),
 ])
 def test_a_layout_that_cannot_work_is_refused_before_anything_starts(options, message):
     with pytest.raises(ValueError, match=message):

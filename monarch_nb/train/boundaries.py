@@ -17,6 +17,7 @@ import time
 
 from ..faults.spec import FaultSpec
 from .recovery import RankState, TrainingError, own_failure
+from .sharding import snapshot_slots
 from .waits import Stopped, wait_all
 
 __all__ = ["Boundaries"]
@@ -143,6 +144,33 @@ class Boundaries:
             if own_failure(exc):
                 self.m.fail_rank(rank, exc)
 
+    def _snapshot_to_restore(self) -> dict[int, str] | None:
+        """``{ready rank: snapshot path}`` to restore, or None if there is none. In a sharded run,
+        each shard's slot of the newest step that every shard has (asked of one ready rank per
+        shard: the slots are files on its host), or None if some shard has no ready rank."""
+        m = self.m
+        if not self.snapshot_path:
+            return None
+        if m.layout.size == 1:
+            if not (self.snapshots or os.path.exists(self.snapshot_path)):
+                return None
+            return {r: self.snapshot_path for r in m.ready}
+        asker: dict[int, int] = {}
+        for rank in m.ready:
+            asker.setdefault(m.layout.shard_of(rank), rank)
+        if len(asker) < m.layout.size:
+            return None
+        futures = {s: m.trainers[r].snapshot_steps.call_one(snapshot_slots(self.snapshot_path, s)) for s, r in asker.items()}
+        values, errors = wait_all(futures, self.o.collective_timeout_s, self.run.stop_event)
+        if errors or not values:
+            return None
+        common = set.intersection(*(set(steps.values()) for steps in values.values()))
+        if not common:
+            return None
+        step = max(common)
+        by_shard = {s: next(path for path, at in steps.items() if at == step) for s, steps in values.items()}
+        return {r: by_shard[m.layout.shard_of(r)] for r in m.ready}
+
     def _restore(self) -> None:
         """No live replica: wait for restarted ranks, then load the newest snapshot into them."""
         m, o = self.m, self.o
@@ -159,7 +187,8 @@ class Boundaries:
         settle = time.monotonic() + 1.0  # let the other restarts finish too: restore them together
         while m.restarting and time.monotonic() < settle and not self.run.stopping:
             self._wait_event(0.05)
-        if not (self.snapshot_path and (self.snapshots or os.path.exists(self.snapshot_path))):
+        paths = self._snapshot_to_restore()
+        if paths is None:
             if self.next_commit == self.start_step == 0:  # nothing trained yet: fresh trainers are the state
                 for rank in m.ready:
                     m.move(rank, RankState.LIVE)
@@ -170,7 +199,7 @@ class Boundaries:
                 "every rank failed at once and no snapshot had been published yet: nothing holds the training "
                 "state (use checkpoint_dir/checkpoint_every and resume=True for full-job restarts)")
         t0 = time.monotonic()
-        restored = m.restore(self.snapshot_path)
+        restored = m.restore(paths)
         step = next(iter(restored.values()))["next_step"]
         redone = 0
         if step < self.next_commit:

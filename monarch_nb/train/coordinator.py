@@ -38,6 +38,7 @@ from .launch import Launch
 from .recovery import Membership, RankState, TrainingError, own_failure
 from .waits import Stopped, wait_all
 from .report import build_report
+from .sharding import SNAPSHOT_EVERY, snapshot_slots
 
 __all__ = ["Coordinator"]
 
@@ -199,13 +200,12 @@ class Coordinator(Launch, Boundaries):
             win = _Window(next(self._wids), m.quorum, m.members, start, end - start)
             split = sorted(s for s in self.split_steps if start <= s < end) or None
             writer = m.members[0]
-            snapshot = ({"path": self.snapshot_path, "every": o.snapshot_every or 0, "budget": o.snapshot_budget}
-                        if self.snapshot_path else None)
+            snapshots = self._snapshot_orders(writer)
             self.windows.append(win)
             self.history.append((start, end - start, win.members))
             for rank in win.members:
                 future = m.trainers[rank].run_window.call_one(m.quorum, start, end - start, split,
-                                                              snapshot if rank == writer else None)
+                                                              snapshots.get(rank))
                 future.add_done_callback(lambda f, w=win, r=rank: self.events.put(("reply", w, r, f)))
             self.next_dispatch = end
             last = end - 1
@@ -220,6 +220,22 @@ class Coordinator(Launch, Boundaries):
                 self._send_checkpoint(writer, end)
             if self.run.phase_name != "training":
                 self.run.phase("training")
+
+    def _snapshot_orders(self, writer: int) -> dict[int, dict]:
+        """``{rank: snapshot order}`` of the ranks that publish snapshots: ``writer``; in a sharded
+        run every rank of ``writer``'s group, each its shard into two slots in turn, at the same
+        fixed steps (see :func:`~.sharding.snapshot_slots`)."""
+        o, layout = self.o, self.m.layout
+        if not self.snapshot_path:
+            return {}
+        if layout.size == 1:
+            return {writer: {"path": self.snapshot_path, "every": o.snapshot_every or 0, "budget": o.snapshot_budget}}
+        orders = {}
+        for rank in layout.members(writer):
+            slots = snapshot_slots(self.snapshot_path, layout.shard_of(rank))
+            orders[rank] = {"path": slots[0], "slots": slots, "every": o.snapshot_every or SNAPSHOT_EVERY,
+                            "budget": o.snapshot_budget, "wait": True}
+        return orders
 
     def _send_checkpoint(self, rank: int, next_step: int) -> None:
         path = os.path.abspath(os.path.join(self.o.checkpoint_dir, f"step{next_step:08d}.pt"))

@@ -153,9 +153,10 @@ class Healing:
         return ahead
 
     # -- restore from a snapshot --------------------------------------------------------------------
-    def restore(self, path: str) -> dict[int, dict]:
-        """Load the snapshot at ``path`` into every ready rank; returns ``{rank: result}`` of the
-        ranks that loaded it (they are live now). Ranks that fail are restarted again.
+    def restore(self, paths: dict[int, str]) -> dict[int, dict]:
+        """Load snapshot ``paths[rank]`` into each ready rank (a sharded run: its shard's); returns
+        ``{rank: result}`` of the ranks that loaded it (they are live now). Ranks that fail are
+        restarted again.
 
         Raises:
             TrainingError: no rank could load it (the message says why).
@@ -163,8 +164,7 @@ class Healing:
         from .recovery import RankState, TrainingError
 
         self.run.phase("restoring")
-        ranks = self.ready
-        futures = {r: self.trainers[r].restore_snapshot.call_one(path) for r in ranks}
+        futures = {r: self.trainers[r].restore_snapshot.call_one(paths[r]) for r in self.ready if r in paths}
         values, errors = wait_all(futures, self.options.collective_timeout_s + 5.0, self.run.stop_event)
         bad_snapshot = [e for e in errors.values() if isinstance(e, ActorError)
                         and e.exception_type in ("ValueError", "FileNotFoundError")]

@@ -18,7 +18,10 @@ Fault tolerance works across groups, as torchft's replica groups do:
   registry, used only by the Trainer's own all-reduce after ``backward()`` — never by an
   autograd hook, so a peer's death there is an exception of ``ft.step``, not of FSDP;
 - a restarted group heals shard by shard: each of its ranks takes the state of the rank with the
-  same shard index in a live group (same shapes, so the bytes land in its own tensors).
+  same shard index in a live group (same shapes, so the bytes land in its own tensors);
+- snapshots are shard by shard too: the first group's ranks each publish their shard to two
+  shared-memory slots in turn (:func:`snapshot_slots`), at the same fixed steps, and a restore
+  takes the newest step every shard has.
 
 Where the figures come from: FSDP2's ``fully_shard`` (``torch.distributed.fsdp``); HSDP's
 reduce-scatter inside the shard group then all-reduce across replicas is FSDP2's own order
@@ -33,7 +36,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["GroupLayout", "PARALLELISMS", "check_parallelism", "form_group", "parallelize", "cross_group",
-           "local", "grad_like", "like_sharded", "all_reduce_sum", "broadcast"]
+           "local", "grad_like", "like_sharded", "all_reduce_sum", "broadcast", "snapshot_slots",
+           "SNAPSHOT_EVERY"]
+
+#: steps between a sharded run's snapshots when ``snapshot_every`` is not given: the shards'
+#: writers must snapshot the same steps, so the interval is fixed, not sized by each one's cost
+SNAPSHOT_EVERY = 20
 
 #: the built-in ways to split a model inside a group (or a callable ``parallelize(model, mesh)``)
 PARALLELISMS = ("ddp", "fsdp")
@@ -64,6 +72,15 @@ class GroupLayout:
         """The ranks of ``ranks`` whose every group partner is in ``ranks`` too (sorted)."""
         present = set(ranks)
         return sorted(r for r in present if all(p in present for p in self.members(r)))
+
+
+def snapshot_slots(path: str, shard: int) -> list[str]:
+    """The two shared-memory files shard ``shard``'s writer publishes to in turn, named from the
+    run's snapshot ``path`` (``.../monarch_nb-<run>-<pid>-<n>``: ``<n>`` becomes
+    ``<n>*100 + 2*shard + slot``, the runtime's pattern, so its clean-up removes them). Two, so
+    that while one is being replaced the other still holds a step every shard has."""
+    head, n = path.rsplit("-", 1)
+    return [f"{head}-{int(n) * 100 + 2 * shard + slot}" for slot in (0, 1)]
 
 
 def check_parallelism(parallelism: Any, group_size: Any, procs: int) -> None:

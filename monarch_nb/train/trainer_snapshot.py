@@ -55,13 +55,21 @@ class SnapshotWriter:
 
     Args:
         path: the published name (``/dev/shm/monarch_nb-<run>-<pid>-<n>``).
+        slots: names to publish to in turn instead (a sharded run's two per shard, see
+            :func:`~.sharding.snapshot_slots`); the first is ``path``.
+        wait: a capture due while the previous one is still being published waits for it
+            instead of being skipped (a sharded run: every shard's writer snapshots the same steps).
         every: snapshot every this many steps; 0 chooses it so that a snapshot's cost (the pause
             plus the background CPU time) stays near ``budget`` of the training time.
         budget: the share of step time snapshots may cost when ``every`` is 0.
     """
 
-    def __init__(self, path: str, every: int = 0, budget: float = 0.005):
+    def __init__(self, path: str, every: int = 0, budget: float = 0.005, slots: list[str] | None = None,
+                 wait: bool = False):
         self.path = path
+        self.slots = list(slots) if slots else [path]
+        self.wait = wait
+        self.captures = 0
         self.every = every
         self.budget = budget
         self.next_at = 0
@@ -86,14 +94,18 @@ class SnapshotWriter:
             OSError: the temporary file cannot be created or written.
         """
         step = meta["next_step"]
+        if self._busy.is_set() and self.wait:
+            self.wait_idle(60.0)  # a sharded run's writers must all snapshot the same steps
         if self._busy.is_set():
             self.skipped += 1
             self.next_at = step + 1
             return
         self._busy.set()
+        target = self.slots[self.captures % len(self.slots)]
+        self.captures += 1
         self.next_at = step + max(1, self.every)  # provisional: the publication sets the real one
         t0 = time.perf_counter() if t_begin is None else t_begin
-        tmp = snapshot_tmp_path(self.path)
+        tmp = snapshot_tmp_path(target)
         sizes = []
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -114,10 +126,10 @@ class SnapshotWriter:
             raise
         pause_ms = (time.perf_counter() - t0) * 1e3
         nbytes = offset - _PREFIX_BYTES
-        threading.Thread(target=self._publish, args=(fd, tmp, nbytes, skeleton, meta, pause_ms, step_ms),
+        threading.Thread(target=self._publish, args=(fd, tmp, target, nbytes, skeleton, meta, pause_ms, step_ms),
                          name="monarch_nb-snapshot", daemon=True).start()
 
-    def _publish(self, fd: int, tmp: str, nbytes: int, skeleton: dict, meta: dict, pause_ms: float,
+    def _publish(self, fd: int, tmp: str, target: str, nbytes: int, skeleton: dict, meta: dict, pause_ms: float,
                  step_ms: float | None) -> None:
         cpu0 = time.thread_time()
         try:
@@ -132,13 +144,13 @@ class SnapshotWriter:
             os.pwrite(fd, _PREFIX.pack(MAGIC, nbytes, len(header)), 0)  # last: the file is complete
             os.close(fd)
             fd = -1
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
             cpu_ms = (time.thread_time() - cpu0) * 1e3
             cost_ms = pause_ms + cpu_ms
             with self._lock:
                 self.count += 1
                 self.published.append({"step": meta["next_step"], "nbytes": nbytes, "pause_ms": round(pause_ms, 4),
-                                       "cpu_ms": round(cpu_ms, 4), "path": self.path, "sha256": h.hexdigest()})
+                                       "cpu_ms": round(cpu_ms, 4), "path": target, "sha256": h.hexdigest()})
             if self.every > 0:
                 self.next_at = meta["next_step"] + self.every
             elif step_ms is None:  # no step timed yet (the first snapshot): measure again soon

@@ -94,7 +94,8 @@ class StateEndpoints:
             return None
         w = self._writer
         if w is None or w.path != snapshot["path"]:
-            w = self._writer = SnapshotWriter(snapshot["path"], snapshot.get("every", 0), snapshot.get("budget", 0.005))
+            w = self._writer = SnapshotWriter(snapshot["path"], snapshot.get("every", 0), snapshot.get("budget", 0.005),
+                                              slots=snapshot.get("slots"), wait=snapshot.get("wait", False))
         return w
 
     def _snapshot(self, writer: SnapshotWriter) -> None:
@@ -104,6 +105,19 @@ class StateEndpoints:
             writer.capture(tensors, skeleton, meta, self._step_ms_avg, t_begin=t0)
         except OSError as exc:  # /dev/shm full or gone: training goes on without this snapshot
             log.warning("rank %d: snapshot of step %d not written: %s", self.rank, self.next_step, exc)
+
+    @endpoint
+    def snapshot_steps(self, paths: list) -> dict:
+        """``{path: next_step}`` of the snapshots among ``paths`` that are complete and pass their
+        SHA-256 (a sharded run's restore picks the newest step every shard has)."""
+        steps = {}
+        for path in paths:
+            try:
+                man, _payload = read_snapshot(path)
+            except (FileNotFoundError, ValueError):
+                continue
+            steps[path] = man["meta"]["next_step"]
+        return steps
 
     @endpoint
     def restore_snapshot(self, path: str) -> dict:
