@@ -353,7 +353,7 @@ def fit(
             controller, default 0.1) or ``window_steps`` (a fixed number), ``pipeline`` (windows
             in flight, default 2; ``window_steps=1, pipeline=1`` is the per-step loop),
             ``snapshot_every`` (steps between shared-memory snapshots; None: as often as costs
-            ``snapshot_budget`` = 0.5% of step time; 0: none), ``checkpoint_dir`` /
+            ``snapshot_budget`` = 0.5% of step time, every 20 steps in a sharded run; 0: none), ``checkpoint_dir`` /
             ``checkpoint_every`` / ``resume`` (disk checkpoints for full-job restarts),
             ``report_json`` (path to write the report to), ``keep_parameters`` (fetch every
             replica's final parameters into ``run.parameters``), ``hosts`` (a HostMesh from
