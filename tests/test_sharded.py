@@ -9,6 +9,7 @@ the failed group and heals it shard by shard, and every shard ends identical acr
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -86,6 +87,10 @@ def test_every_group_killed_at_once_restores_the_sharded_snapshot():
     by = {f["rank"]: f["rejoined_by"] for f in report.failures}
     assert sorted(by) == [0, 1, 2, 3] and set(by.values()) <= {"snapshot", "heal"}, report.failures
     assert by[0] == by[1] and by[2] == by[3] and "snapshot" in by.values(), report.failures
+    from monarch_nb.runtime.controller import Controller
+
+    leftover = glob.glob(f"/dev/shm/monarch_nb-{Controller.get().run_id}-*-77*")
+    assert not leftover, "the run's snapshot slots must be removed when it ends"
 
 
 def _data(n: int = 960, seed: int = 5):

@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
 

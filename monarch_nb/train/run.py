@@ -275,14 +275,16 @@ class TrainingRun:
 
 
 def _snapshot_files(path: str) -> list[str]:
-    """The published snapshot ``path`` and the temporary files its writers left."""
+    """The published snapshot ``path``, a sharded run's slots named from it (``<n>`` and two more
+    digits, see :func:`~.sharding.snapshot_slots`), and the temporary files their writers left."""
     import glob
 
     if not path:
         return []
     folder, name = os.path.split(path)
     prefix, _pid, n = name.rsplit("-", 2)
-    return glob.glob(os.path.join(folder, f"{prefix}-*-{n}"))
+    return [p for pattern in (f"{prefix}-*-{n}", f"{prefix}-*-{n}[0-9][0-9]")
+            for p in glob.glob(os.path.join(folder, pattern))]
 
 
 def latest_checkpoint(directory: str) -> str | None:
