@@ -483,10 +483,9 @@ class Coordinator(Launch, Boundaries):
         digests = m.replica_digests(values)
         applied = {v["applied_steps"] for v in values.values()}
         # an interrupted run is evaluated too (within the stop's 2 s), so its report is complete
-        first = m.quorum_ranks[:1] or m.live[:1]
-        evaluated = ask("evaluate", [r for r in m.layout.members(first[0]) if r in m.live] if first else [])
-        ev: dict = evaluated.get(first[0], {"test_accuracy": None, "test_loss": None}) if first else \
-            {"test_accuracy": None, "test_loss": None}
+        first = (m.quorum_ranks or m.live or [-1])[0]  # a sharded model's forward needs its whole group
+        evaluated = ask("evaluate", [r for r in m.layout.members(first) if r in m.live])
+        ev: dict = evaluated.get(first, {"test_accuracy": None, "test_loss": None})
         mem: dict = {}
         if not run.stopping:
             mem = ask("memory", m.live)

@@ -251,15 +251,14 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
                    self._setup_timeout_s(), self.collective_timeout_s)
         return parallelize(model, optimizer, self.parallelism, self.device.type)
 
-    def _group_weight(self, step: int) -> int | None:
-        """The samples of step ``step`` on this rank's replica group (None in an unsharded run):
-        FSDP averaged the local gradient over the group's ranks."""
+    def _group_weight(self) -> int | None:
+        """The samples of a step on this rank's replica group in this quorum (None in an unsharded
+        run): FSDP averaged the local gradient over the group's ranks."""
         if not self._sharded:
             return None
-        batch = len(self.order.batch(step))
         total = 0
         for r in self.layout.members(self.rank):
-            lo, hi = shard_bounds(batch, self._world, self._ranks.index(r))
+            lo, hi = shard_bounds(self.order.global_batch, self._world, self._ranks.index(r))
             total += hi - lo
         return total
 
@@ -317,7 +316,7 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         indices = self._shard(step)
         try:
             rec = self._reduce_and_apply(step, len(indices), loss, correct, step in w.order.split,
-                                         self._group_weight(step))
+                                         self._group_weight())
         except CollectiveError as exc:
             w.end_with("collective_failed", step, str(exc))
             return
