@@ -134,9 +134,8 @@ class Boundaries:
     def _checkpoint_now(self) -> None:
         rank = self.m.live[0]
         self.run.phase("checkpointing")
-        path = os.path.abspath(os.path.join(self.o.checkpoint_dir, f"step{self.next_commit:08d}.pt"))
         try:
-            self.m._get(self.m.trainers[rank].save_checkpoint.call_one(path, self.next_commit), self.o.collective_timeout_s)
+            self.m._get(self._send_checkpoint(rank, self.next_commit), self.o.collective_timeout_s)
         except Stopped:
             raise
         except Exception as exc:

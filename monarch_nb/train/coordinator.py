@@ -38,6 +38,7 @@ from .launch import Launch
 from .recovery import Membership, RankState, TrainingError, own_failure
 from .waits import Stopped, wait_all
 from .report import build_report
+from .checkpoints import checkpoint_path
 from .sharding import SNAPSHOT_EVERY, snapshot_slots
 
 __all__ = ["Coordinator"]
@@ -217,7 +218,8 @@ class Coordinator(Launch, Boundaries):
                         future.add_done_callback(lambda f, s=last, r=writer: self.events.put(("eval", s, r, f)))
             if o.checkpoint_every and end % o.checkpoint_every == 0:
                 self.run.phase("checkpointing")
-                self._send_checkpoint(writer, end)
+                self._send_checkpoint(writer, end).add_done_callback(
+                    lambda f, s=end, r=writer: self.events.put(("checkpoint", s, r, f)))
             if self.run.phase_name != "training":
                 self.run.phase("training")
 
@@ -237,11 +239,15 @@ class Coordinator(Launch, Boundaries):
                             "budget": o.snapshot_budget, "wait": True}
         return orders
 
-    def _send_checkpoint(self, rank: int, next_step: int) -> None:
-        path = os.path.abspath(os.path.join(self.o.checkpoint_dir, f"step{next_step:08d}.pt"))
+    def _send_checkpoint(self, writer: int, next_step: int) -> Any:
+        """Queue the checkpoint before step ``next_step`` on ``writer`` (in a sharded run on every
+        rank of its group: each saves its shards); returns ``writer``'s future (the others fail
+        with it: a partner's failure fails the group's collective save)."""
+        path = checkpoint_path(self.o.checkpoint_dir, next_step, self.m.layout.size > 1)
         os.makedirs(self.o.checkpoint_dir, exist_ok=True)
-        future = self.m.trainers[rank].save_checkpoint.call_one(path, next_step)
-        future.add_done_callback(lambda f, s=next_step, r=rank: self.events.put(("checkpoint", s, r, f)))
+        futures = {rank: self.m.trainers[rank].save_checkpoint.call_one(path, next_step)
+                   for rank in self.m.layout.members(writer)}
+        return futures[writer]
 
     # -- events ----------------------------------------------------------------------------------------
     def _wait_event(self, timeout_s: float = 1.0) -> None:

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import ActorError
+from .checkpoints import latest_checkpoint
 from .recovery import RankState, TrainingError
 from .waits import Stopped, wait_all
 
@@ -207,8 +208,6 @@ class Launch:
                 self.m.move(rank, RankState.LIVE)
 
     def _resume(self) -> None:
-        from .run import latest_checkpoint
-
         o = self.o
         if not (o.resume and o.checkpoint_dir):
             return

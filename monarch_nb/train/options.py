@@ -243,9 +243,6 @@ def make_options(
         raise ValueError("checkpoint_every needs checkpoint_dir (the folder to write the checkpoints to)")
     if (group_size, parallelism) != (1, "ddp"):  # a sharded run
         check_parallelism(parallelism, group_size, procs)
-        if checkpoint_every or resume:
-            raise ValueError("checkpoint_every/resume: a sharded run (parallelism) writes no disk checkpoints yet; "
-                             "leave them out (every group lost at once restores the shared-memory snapshot)")
     if collective_timeout_s is None:
         collective_timeout_s = max(10.0, 4 * config.hang_timeout_s)
     _positive_number("collective_timeout_s", collective_timeout_s)

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from ..faults.spec import FaultSpec
+from .checkpoints import latest_checkpoint
 from .data import SampleLedger, SampleOrder
 from .options import TrainOptions, make_options
 from .recovery import TrainingError
@@ -287,14 +288,6 @@ def _snapshot_files(path: str) -> list[str]:
             for p in glob.glob(os.path.join(folder, pattern))]
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest ``step*.pt`` in ``directory`` (absolute path), or None."""
-    if not os.path.isdir(directory):
-        return None
-    names = sorted(n for n in os.listdir(directory) if n.startswith("step") and n.endswith(".pt"))
-    return os.path.abspath(os.path.join(directory, names[-1])) if names else None
-
-
 def start(
     workload: "str | Workload | Callable[..., Any]" = "digits",
     procs: int = 4,
@@ -333,7 +326,7 @@ def fit(
     """Train with fault tolerance on a local mesh of ``procs`` worker processes; block until done.
 
     Args:
-        workload: "digits" (default), "charlm", a :class:`~monarch_nb.train.workloads.Workload`
+        workload: "digits" (default), "charlm", "llama" (needs ``monarch_nb[llm]``), a :class:`~monarch_nb.train.workloads.Workload`
             (e.g. ``Workload.custom(model_fn, (x, y), torch.nn.functional.cross_entropy)``), or
             your own training function written with :mod:`monarch_nb.ft` (``ft.wrap``,
             ``ft.batches``, ``ft.step``), run on every rank with ``args=`` / ``kwargs=``; its
@@ -346,7 +339,7 @@ def fit(
         faults: fault specs (``"kill@120:rank=2"``, see :mod:`monarch_nb.faults.spec`).
         seed: seeds the model init, the data order and the chaos schedule.
         progress: show a tqdm progress bar on stderr.
-        **options: ``lr``, ``batch_size`` (global, samples per step), ``text`` (charlm file),
+        **options: ``lr``, ``batch_size`` (global, samples per step), ``text`` (charlm / llama file),
             ``backend`` ("gloo" / "nccl" / None = automatic), ``chaos_mtbf_s`` and
             ``chaos_kinds``, ``eval_every`` (steps, 0 = only at the end),
             ``collective_timeout_s``, ``restart_timeout_s``, ``chunk_bytes`` (heal chunk size),

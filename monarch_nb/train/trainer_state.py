@@ -8,7 +8,7 @@ stream of :mod:`.trainer_stream` three ways:
 - **snapshots**: every few steps one trainer per host publishes its stream to shared memory,
   outside every trainer (:mod:`.trainer_snapshot`), and restarted trainers load the newest when
   every replica was lost;
-- **disk checkpoints** for whole-job restarts.
+- **disk checkpoints** for whole-job restarts (a sharded run's through DCP, :mod:`.checkpoints`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import time
 
 from ..actor.endpoint import endpoint
+from .checkpoints import load_sharded, save_sharded
 from .trainer_snapshot import SnapshotWriter, read_snapshot
 from .trainer_stream import Incoming, bytes_view, capture, manifest, stream_slice
 
@@ -30,12 +31,13 @@ class StateEndpoints:
     """The Trainer's endpoints that move its state: heal (donor and joiner), snapshots, disk
     checkpoints, memory. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which provides
     ``model``, ``optimizer``, ``registered``, ``device``, ``rank``, ``chunk_bytes``,
-    ``applied_steps``, ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg``,
+    ``applied_steps``, ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg``, ``_sharded``, ``layout``,
     ``_leave_group()`` and ``_forget_attempt()``."""
 
     _writer: SnapshotWriter | None = None
     _incoming: Incoming | None = None
     _outgoing: list = []
+    _sharded = False
 
     # -- healing: donor side --------------------------------------------------------------------
     @endpoint
@@ -140,28 +142,50 @@ class StateEndpoints:
     # -- disk checkpoints (full-job restarts only) ----------------------------------------------
     @endpoint
     def save_checkpoint(self, path: str, next_step: int | None = None) -> dict:
-        """``torch.save`` model, optimizer and counters to ``path`` (atomically); returns
-        ``{"path" (None if not saved), "next_step"}``. With ``next_step``, saves only if this rank
-        is at that step (a checkpoint queued behind a window that stopped early is skipped)."""
+        """Save model, optimizer and counters to ``path``; returns ``{"path" (None if not saved),
+        "next_step"}``. Unsharded: one ``torch.save`` file (atomically). Sharded: this rank's
+        shards into the DCP folder ``path`` — every rank of the group calls it (see
+        :func:`~.checkpoints.save_sharded`). With ``next_step``, saves only if this rank is at that
+        step (a checkpoint queued behind a window that stopped early is skipped).
+
+        Raises:
+            RuntimeError / OSError: a group partner failed during a sharded save, or the disk did.
+        """
         import torch
 
         if next_step is not None and next_step != self.next_step:
             return {"path": None, "next_step": self.next_step}
+        trainer_state = {"registered": {name: obj.state_dict() for name, obj in self.registered.items()},
+                         "applied_steps": self.applied_steps, "next_step": self.next_step}
+        if self._sharded:
+            save_sharded(path, self.model, self.optimizer, trainer_state, self.layout.shard_of(self.rank))
+            return {"path": path, "next_step": self.next_step}
         tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "registered": {name: obj.state_dict() for name, obj in self.registered.items()},
-                    "applied_steps": self.applied_steps, "next_step": self.next_step}, tmp)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **trainer_state}, tmp)
         os.replace(tmp, path)
         return {"path": path, "next_step": self.next_step}
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
-        """Load a :meth:`save_checkpoint` file; returns its next step."""
+        """Load a :meth:`save_checkpoint` file or DCP folder (any group size: DCP reshards it to
+        this rank's); returns its next step. Every rank of a sharded run's group calls it.
+
+        Raises:
+            ValueError: a sharded run given an unsharded run's ``.pt`` file.
+            FileNotFoundError: an incomplete DCP folder.
+        """
         import torch
 
-        state = torch.load(path, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if os.path.isdir(path):
+            state = load_sharded(path, self.model, self.optimizer, distributed=self._sharded)
+        elif self._sharded:
+            raise ValueError(f"{path} is an unsharded run's checkpoint (one torch.save file); a sharded run "
+                             "resumes from a sharded run's step*.dcp folder: resume this one with "
+                             "parallelism='ddp', group_size=1")
+        else:
+            state = torch.load(path, weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         for name, obj in self.registered.items():
             if name in state.get("registered", {}):
                 obj.load_state_dict(state["registered"][name])
