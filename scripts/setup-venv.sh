@@ -6,7 +6,7 @@
 set -euo pipefail
 VENV="${1:-.venv}"
 PYTHON="${PYTHON:-python3}"
-EXTRAS="${EXTRAS:-dev}"
+EXTRAS="${EXTRAS:-dev,llm}"  # llm: transformers, for the "llama" workload and its tests
 if [ ! -x "$VENV/bin/python" ]; then
   if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     echo "setup-venv: using the preinstalled torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"

@@ -53,9 +53,12 @@ def add_train_parser(sub, name: str = "train", faults: tuple[str, ...] = ()) -> 
     p.add_argument("--procs", type=positive_int, default=4,
                    help="worker processes / data-parallel ranks (default 4); per host with --hosts or --job")
     p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default 300)")
-    p.add_argument("--workload", choices=("digits", "charlm"), default="digits",
-                   help="digits: MLP on sklearn's handwritten digits (default); charlm: byte-level transformer LM on --text")
-    p.add_argument("--text", metavar="PATH", help="text file for charlm (default: the source of Python's inspect module)")
+    p.add_argument("--workload", choices=("digits", "charlm", "llama"), default="digits",
+                   help="digits: MLP on sklearn's handwritten digits (default); charlm: byte-level transformer LM on "
+                        "--text; llama: a tiny Llama (transformers' LlamaForCausalLM, random init, byte vocabulary) on "
+                        "--text, needs pip install 'monarch_nb[llm]'")
+    p.add_argument("--text", metavar="PATH",
+                   help="text file for charlm and llama (default: the source of Python's inspect module)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="KIND@STEP:rank=R[,param=value], e.g. kill@120:rank=2, hang@200:rank=1, exit@50:rank=0,code=3, "
                         "slow@10:rank=1,ms=50; repeatable" + (f" (default: {' '.join(faults)})" if faults else ""))
@@ -64,7 +67,7 @@ def add_train_parser(sub, name: str = "train", faults: tuple[str, ...] = ()) -> 
     p.add_argument("--seed", type=int, default=0, help="seed of model init, data order and chaos (default 0)")
     p.add_argument("--batch-size", type=positive_int,
                    help="global batch: samples per step over all ranks (default: the workload's, 64 for digits, "
-                        "32 for charlm)")
+                        "32 for charlm and llama)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default: the workload's)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default: gloo on CPU, nccl/RCCL on GPUs)")
     p.add_argument("--eval-every", type=_non_negative_int, default=50,

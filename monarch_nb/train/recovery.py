@@ -87,7 +87,7 @@ def own_failure(exc: BaseException) -> bool:
 
 
 def kind_of(exc: BaseException | None) -> str:
-    if isinstance(exc, GroupFailed):
+    if isinstance(exc, GroupFailed) or (isinstance(exc, ActorError) and exc.exception_type == "GroupCollectiveError"):
         return "group"
     if isinstance(exc, SupervisionError):
         return "host_lost" if getattr(exc, "cause", "") == "host_lost" else "crash"

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 __all__ = ["GroupLayout", "PARALLELISMS", "check_parallelism", "form_group", "parallelize", "cross_group",
            "local", "grad_like", "like_sharded", "all_reduce_sum", "broadcast", "snapshot_slots",
-           "SNAPSHOT_EVERY"]
+           "SNAPSHOT_EVERY", "GroupCollectiveError", "broke_the_group"]
 
 #: steps between a sharded run's snapshots when ``snapshot_every`` is not given: the shards'
 #: writers must snapshot the same steps, so the interval is fixed, not sized by each one's cost
@@ -104,6 +104,28 @@ def check_parallelism(parallelism: Any, group_size: Any, procs: int) -> None:
 
 
 # -- in the procs ------------------------------------------------------------------------------------
+class GroupCollectiveError(RuntimeError):
+    """A collective of this rank's replica group failed inside the training step (FSDP's
+    all-gather or reduce-scatter, or the user's own): a partner died or hung. The rank cannot go
+    on (its step is half done inside autograd), so it fails with its group: the controller
+    records it as kind ``group`` and restarts the group."""
+
+
+#: how torch's gloo and NCCL backends say that a peer of a collective is gone (their errors are
+#: plain RuntimeErrors, or torch.distributed.DistError subclasses in newer builds)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "Timed out waiting", "ProcessGroupNCCL")
+
+
+def broke_the_group(exc: BaseException) -> bool:
+    """True if ``exc`` (raised out of a training step) is a collective's failure, not the step's own bug."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_GONE)
+
+
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 

@@ -35,7 +35,7 @@ from ..actor.endpoint import Actor, endpoint
 from . import current
 from .data import SampleOrder, digest, shard_bounds
 from .trainer_loop import FINISH, LoopDriver, WindowOrder
-from .sharding import GroupLayout, form_group, local, parallelize
+from .sharding import GroupCollectiveError, GroupLayout, broke_the_group, form_group, local, parallelize
 from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
 from .trainer_state import StateEndpoints
 from .trainer_step import Stepping
@@ -362,10 +362,18 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
             more, or not its next step (a window queued behind one that stopped).
 
         Raises:
+            GroupCollectiveError: a sharded run's step failed in a collective of the replica group
+                (a partner died inside FSDP's all-gather or reduce-scatter).
             the training function's own error (it raised in this window, or before).
         """
         order = WindowOrder(quorum, start, count, frozenset(split or ()), snapshot)
-        return self._driver.run(order, timeout_s=self.collective_timeout_s + 10 * count + 60.0)
+        try:
+            return self._driver.run(order, timeout_s=self.collective_timeout_s + 10 * count + 60.0)
+        except RuntimeError as exc:
+            if self._sharded and broke_the_group(exc):
+                raise GroupCollectiveError(f"rank {self.rank}: a collective of replica group "
+                                           f"{self.layout.group_of(self.rank)} failed inside step: {exc}") from exc
+            raise
 
     @endpoint
     def finish(self) -> Any:

@@ -4,6 +4,9 @@
   no download), 80/20 train/test split fixed by the seed.
 - ``charlm``: a small causal transformer over the bytes of a real text file (by default the
   source of the standard library's :mod:`inspect` module, present on every Python install).
+- ``llama``: a Llama-architecture causal LM (transformers' ``LlamaForCausalLM``, random init, a
+  byte vocabulary: no tokenizer, no download) on the same text as ``charlm``; sizes in
+  :data:`LLAMA_SIZES`. Needs the optional extra ``monarch_nb[llm]`` (transformers).
 - :meth:`Workload.custom`: any model factory, dataset and loss.
 
 A :class:`Workload` is built on the controller (cheap: it validates its inputs and knows its
@@ -15,9 +18,18 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Sequence
 
-__all__ = ["Workload", "get_workload", "WORKLOADS", "default_text_path"]
+__all__ = ["Workload", "get_workload", "WORKLOADS", "LLAMA_SIZES", "LlamaWorkload", "default_text_path"]
 
-WORKLOADS = ("digits", "charlm")
+WORKLOADS = ("digits", "charlm", "llama")
+
+#: ``LlamaConfig`` fields per size of the ``llama`` workload (vocabulary 256 bytes, context 64):
+#: ``tiny`` has 106,816 parameters (tests, workshops), ``small`` 3,033,344 (benchmarks)
+LLAMA_SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
 
 
 def default_text_path() -> str:
@@ -98,11 +110,13 @@ class Workload:
 
 
 def get_workload(name: str | Workload = "digits", *, text: str | None = None, seed: int = 0) -> Workload:
-    """The workload called ``name`` (or ``name`` itself if it is a :class:`Workload`).
+    """The workload called ``name`` (or ``name`` itself if it is a :class:`Workload`); ``"llama"``
+    is the ``tiny`` size (``LlamaWorkload(path, size="small")`` for the larger one).
 
     Raises:
         ValueError: an unknown name, or a text file that is empty.
         FileNotFoundError: ``text`` does not exist.
+        ImportError: ``"llama"`` without transformers installed (the message says how to get it).
     """
     if isinstance(name, Workload):
         return name
@@ -110,6 +124,8 @@ def get_workload(name: str | Workload = "digits", *, text: str | None = None, se
         return DigitsWorkload(seed)
     if name == "charlm":
         return CharLMWorkload(text or default_text_path())
+    if name == "llama":
+        return LlamaWorkload(text or default_text_path())
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} or pass a Workload")
 
 
@@ -254,6 +270,54 @@ class CharLMWorkload(Workload):
         logits = model(inputs)
         per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         return per_token.view(targets.shape).mean(dim=1).sum(), None
+
+
+class LlamaWorkload(CharLMWorkload):
+    """A Llama-architecture causal LM over the bytes of a text: transformers' ``LlamaForCausalLM``
+    built from :data:`LLAMA_SIZES` ``[size]`` with random init (the caller seeds torch), a
+    256-entry byte vocabulary, untied embeddings, SDPA attention; samples and loss as ``charlm``
+    (a window of ``context`` bytes, mean next-byte cross entropy per window, nats).
+
+    Raises:
+        ImportError: transformers is not installed (``pip install 'monarch_nb[llm]'``).
+        ValueError: an unknown ``size``.
+    """
+
+    name = "llama"
+
+    def __init__(self, path: str, size: str = "tiny", context: int = 64):
+        import importlib.util
+
+        if size not in LLAMA_SIZES:
+            raise ValueError(f"unknown llama size {size!r}; choose one of {', '.join(LLAMA_SIZES)}")
+        if importlib.util.find_spec("transformers") is None:
+            raise ImportError("the llama workload needs transformers: pip install 'monarch_nb[llm]' "
+                              "(or pip install 'transformers>=5,<6') in the environment of the procs")
+        super().__init__(path, context=context)
+        self.size = size
+
+    def build_model(self):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=256, max_position_embeddings=self.context, tie_word_embeddings=False,
+                             attn_implementation="sdpa", **LLAMA_SIZES[self.size])
+        return _LogitsOnly(LlamaForCausalLM(config))
+
+
+def _LogitsOnly(model):
+    """``model(input_ids) -> logits`` of a transformers causal LM (its output object is a dict
+    subclass that the loss and FSDP's hooks need not see)."""
+    from torch import nn
+
+    class LogitsOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = model
+
+        def forward(self, input_ids):
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+
+    return LogitsOnly()
 
 
 def _TinyTransformer(vocab: int, context: int, d_model: int, layers: int, heads: int):
