@@ -1,8 +1,9 @@
 """Sharded training: ``monarch_nb``'s FSDP-in-groups (HSDP) vs torch's native HSDP and plain FSDP2.
 
-    .venv/bin/python bench/sharded.py [--quick] [--workload charlm|digits] [--repeats 3] [--kills 6]
+    .venv/bin/python bench/sharded.py [--quick] [--workload charlm|digits|llama] [--repeats 3] [--kills 6]
 
-One workload (the built-in ``charlm``, a small transformer, by default: tens of ms a step), the
+One workload (the built-in ``charlm``, a small transformer, by default: tens of ms a step; or
+``llama``: transformers' LlamaForCausalLM, the tiny size, 106,816 parameters), the
 same model, seed, sample order and global batch everywhere, 4 ranks on this machine, measured in
 this one run:
 
@@ -125,13 +126,14 @@ def kills(workload: str, n: int, seed: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps, 1 repeat, 2 kills")
-    p.add_argument("--workload", choices=("charlm", "digits"), default="charlm")
-    p.add_argument("--steps", type=int, help="steps of each steady run (default 400 charlm / 1500 digits; quick: 120)")
+    p.add_argument("--workload", choices=("charlm", "digits", "llama"), default="charlm")
+    p.add_argument("--steps", type=int,
+                   help="steps of each steady run (default 400 charlm and llama / 1500 digits; quick: 120)")
     p.add_argument("--repeats", type=int, help="steady runs of each runtime (median; default 3, quick 1)")
     p.add_argument("--kills", type=int, help="SIGKILLs of a shard holder (default 6, quick 2)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    steps = args.steps or (120 if args.quick else {"charlm": 400, "digits": 1500}[args.workload])
+    steps = args.steps or (120 if args.quick else {"charlm": 400, "llama": 400, "digits": 1500}[args.workload])
     repeats = args.repeats or (1 if args.quick else 3)
     n_kills = args.kills if args.kills is not None else (2 if args.quick else 6)
 

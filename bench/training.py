@@ -23,7 +23,10 @@ Same workload, model, data, sample order, global batch and procs on both sides. 
    restarting the whole job from its last checkpoint (every 50 steps).
 6. ``memory``: peak RSS per worker (trainer vs DDP worker), and the extra peak RSS of a donor
    while it streams a 6.3 M-parameter MLP with Adam (about 75 MB of state) to a joiner.
-7. ``chaos`` (``--chaos``): faults of mixed kinds, a mean time between them of 20 s, for >= 180 s
+7. ``sharded``: FSDP2 inside replica groups of 2 (HSDP) vs torch's native HSDP and plain FSDP2
+   under torchrun, same model and batches: bench/sharded.py in a subprocess (its steady state,
+   memory and kills of a shard holder), its bench/results/sharded.json merged in.
+8. ``chaos`` (``--chaos``): faults of mixed kinds, a mean time between them of 20 s, for >= 180 s
    at 4 procs, with a seed whose plan has at least one kill and one hang; throughput vs a
    fault-free run, steps and samples lost, each failure's detect / resume / rejoin.
 
@@ -51,7 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "bench", "results", "training.json")
 DDP_SCRIPT = os.path.join(REPO, "bench", "_ddp_train.py")
-SECTIONS = ("steady", "windows", "rejoin", "snapshot", "kill", "memory", "chaos")
+SECTIONS = ("steady", "windows", "rejoin", "snapshot", "kill", "memory", "sharded", "chaos")
 CHAOS_KINDS = ("kill", "hang", "exit", "segfault", "raise", "nan")
 
 
@@ -462,6 +465,8 @@ def main() -> int:
         d_rss = max(max(r["peak_rss_bytes"]) for r in ddp_digits)
         results["memory"] = {"monarch_worker_peak_rss_bytes": m_rss, "ddp_worker_peak_rss_bytes": d_rss,
                              "ratio": m_rss / d_rss, "target_ratio": 1.1, "heal": heal_memory(args)}
+    if "sharded" in only:
+        results["sharded"] = sharded(args)
     if "chaos" in only:
         base = next(r for r in results["steady"] if r["workload"] == "digits" and r["transport"] == "ipc")
         results["chaos"] = chaos(args, base["monarch_samples_per_s"] / base["global_batch"])
@@ -472,6 +477,17 @@ def main() -> int:
     print(_table(results))
     print(f"\nwritten to {os.path.relpath(path, REPO)}")
     return 0
+
+
+def sharded(args) -> dict:
+    """The sharded rows: bench/sharded.py (ft HSDP vs native HSDP and plain FSDP2 under torchrun,
+    same model and batches, in its own run; see its docstring), its JSON merged here."""
+    cmd = [sys.executable, os.path.join(REPO, "bench", "sharded.py"), "--seed", str(args.seed)]
+    if args.quick:
+        cmd.append("--quick")
+    subprocess.run(cmd, cwd=REPO, check=True)
+    with open(os.path.join(REPO, "bench", "results", "sharded.json")) as f:
+        return json.load(f)
 
 
 def _fmt(v, spec: str = ".2f") -> str:
@@ -517,6 +533,19 @@ def _table(r: dict) -> str:
                     f"{m['ddp_worker_peak_rss_bytes'] / mb:>13.1f}{m['ratio']:>8.2f}{'<= 1.1':>10}")
         rows.append(f"{'heal: donor extra peak RSS / state size (MiB)':<50}{h['donor_extra_peak_bytes'] / mb:>13.1f}"
                     f"{h['state_bytes'] / mb:>13.1f}{h['extra_over_state']:>8.2f}{'< 1.2':>10}")
+    if "sharded" in r:
+        h = r["sharded"]
+        sps, rss = h["steady_samples_per_s"], h["peak_rss_bytes_max_rank"]
+        rows.append(f"{'sharded ' + h['workload'] + ' G=' + str(h['group_size']) + ' (samples/s), native HSDP':<50}"
+                    f"{sps['ft_hsdp']:>13.0f}{sps['native_hsdp']:>13.0f}{h['ratio_vs_native_hsdp']:>8.3f}{'>= 0.95':>10}")
+        rows.append(f"{'  plain FSDP2 (samples/s)':<50}{'':>13}{sps['native_fsdp2']:>13.0f}")
+        rows.append(f"{'  peak RSS, largest rank (MiB), native HSDP':<50}{rss['ft_hsdp'] / mb:>13.1f}"
+                    f"{rss['native_hsdp'] / mb:>13.1f}{h['memory_ratio_vs_native_hsdp']:>8.3f}{'<= 1.1':>10}")
+        k = h.get("kills")
+        if k:
+            rows.append(f"{'  kill -> next commit / group rejoined p95 (s)':<50}"
+                        f"{_fmt(k.get('resume_p95_s'), '.3f') + '/' + _fmt(k.get('rejoin_p95_s'), '.3f'):>13}"
+                        f"{'':>13}{'':>8}{'0.5/2':>10}")
     if "chaos" in r:
         c = r["chaos"]
         rows.append(f"{'chaos ' + str(int(c['wall_time_s'])) + ' s, mtbf ' + str(int(c['mtbf_s'])) + ' s: samples/s, fault-free':<50}"

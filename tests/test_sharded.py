@@ -214,6 +214,10 @@ def test_a_llama_in_groups_of_two_trains_through_a_killed_shard_holder():
     assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)
     assert report.replicas_identical, report.failures
     assert sorted((f["rank"], f["kind"]) for f in report.failures) == [(0, "group"), (1, "kill")]
+    # the report names the groups: the first restarted (a new incarnation), both live at the end
+    assert [(g["ranks"], g["state"], g["incarnations"] > 1, g["failures"]) for g in report.groups] == [
+        ([0, 1], "live", True, 2), ([2, 3], "live", False, 0)]
+    assert "group 0: ranks 0-1  live" in str(report) and "2 of 2 ranks (fsdp inside" in str(report)
     first = run.metrics[0]["loss"]
     assert 5.0 < first < 6.0 and report.final_loss < first - 1.0, (first, report.final_loss)
 

@@ -89,6 +89,11 @@ class TrainReport:
         snapshots: ``{"count", "bytes", "pause_ms_median", "cpu_ms_median", "interval_steps",
             "cost_pct_of_step_time"}`` of the in-memory snapshots.
         restores: one ``{"step", "steps_redone", "restore_s"}`` per restore from a snapshot.
+        parallelism: how a replica is split inside its group ("ddp": not split; "fsdp"; "custom"
+            for the user's own ``parallelize``). group_size: ranks per replica group.
+        groups: a sharded run's replica groups, one ``{"group", "ranks", "state" ("live", or the
+            members' :class:`~.recovery.RankState` values joined by "/"), "incarnations" (1 + restarts
+            of the group), "failures" (records of its ranks)}`` each; empty when unsharded.
     """
 
     final_loss: float | None
@@ -124,6 +129,9 @@ class TrainReport:
     rejoin_wait_s: float = 0.0
     interrupted: bool = False
     test_step: int | None = None
+    parallelism: str = "ddp"
+    group_size: int = 1
+    groups: list = field(default_factory=list)
 
     def to_dict(self, ledger: bool = False) -> dict:
         d = asdict(self)
@@ -199,6 +207,13 @@ class TrainReport:
             f"  quorums             {self.quorums}",
             f"  replicas identical  {self.replicas_identical}",
         ]
+        if self.groups:
+            lines.append(f"  replica groups      {len(self.groups)} of {self.group_size} ranks ({self.parallelism} inside, "
+                         "replicated across)")
+            for g in self.groups:
+                ranks = g["ranks"]
+                lines.append(f"    group {g['group']}: ranks {ranks[0]}-{ranks[-1]}  {g['state']:<8} incarnation "
+                             f"{g['incarnations']}, {g['failures']} failure record(s)")
         if snap.get("count"):
             lines.append(f"  snapshots           {snap['count']} in shared memory, every ~{snap.get('interval_steps', 0):.0f} "
                          f"steps, cost {snap.get('cost_pct_of_step_time', 0):.2f}% of step time")
@@ -291,8 +306,24 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         rejoin_wait_s=round(rejoin_wait, 3),
         interrupted=run.stopping,
         test_step=test_step,
+        parallelism=o.parallelism if isinstance(o.parallelism, str) else "custom",
+        group_size=o.group_size,
+        groups=_groups(c.m, o.procs) if c.m.layout.size > 1 else [],
     )
     return report
+
+
+def _groups(m: Any, procs: int) -> list[dict]:
+    """The report's ``groups`` of a sharded run's :class:`~.recovery.Membership` ``m`` over ``procs`` ranks."""
+    out = []
+    for first in range(0, procs, m.layout.size):
+        ranks = m.layout.members(first)
+        states = sorted({m.state[r].value for r in ranks if r in m.state})
+        g = m.layout.group_of(first)
+        out.append({"group": g, "ranks": ranks, "state": "/".join(states) or "-",
+                    "incarnations": 1 + m.generation.get(g, 0),
+                    "failures": sum(1 for rec in m.failures if rec.rank in ranks)})
+    return out
 
 
 def _default_backend() -> str:
