@@ -42,7 +42,7 @@ def test_fsdp_in_groups_of_two_is_bit_identical_to_native_hsdp(tmp_path):
     import numpy as np
 
     run = mt.start("digits", procs=4, steps=STEPS, group_size=2, parallelism="fsdp", eval_every=0,
-                   keep_parameters=True)
+                   keep_parameters=True, spares=0)
     report = run.report(timeout=240)
     assert report.steps == STEPS and report.replicas_identical and not report.failures
     native = _native_hsdp_shards(tmp_path, STEPS)
@@ -177,12 +177,12 @@ def test_a_checkpoint_saved_in_groups_of_two_resumes_in_one_group_of_four(tmp_pa
     import numpy as np
 
     first = mt.start("digits", procs=4, steps=24, group_size=2, parallelism="fsdp", eval_every=0,
-                     checkpoint_dir=str(tmp_path / "a"), checkpoint_every=12, keep_parameters=True)
+                     checkpoint_dir=str(tmp_path / "a"), checkpoint_every=12, keep_parameters=True, spares=0)
     assert first.report(timeout=240).steps == 24
     assert sorted(os.listdir(tmp_path / "a")) == ["step00000012.dcp", "step00000024.dcp"]
     shutil.copytree(tmp_path / "a" / "step00000012.dcp", tmp_path / "b" / "step00000012.dcp")
     second = mt.start("digits", procs=4, steps=24, group_size=4, parallelism="fsdp", eval_every=0,
-                      checkpoint_dir=str(tmp_path / "b"), resume=True, keep_parameters=True)
+                      checkpoint_dir=str(tmp_path / "b"), resume=True, keep_parameters=True, spares=0)
     report = second.report(timeout=240)
     assert second.metrics[0]["step"] == 12 and report.steps == 12
     assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from typing import Any
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "save_sharded", "load_sharded", "TRAINER_FILE"]
@@ -92,6 +93,8 @@ def load_sharded(path: str, model: Any, optimizer: Any, distributed: bool) -> di
     # fresh dicts: set_state_dict replaces the tensors of the dict it is given
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    with warnings.catch_warnings():  # no_dist: DCP warns that it "assumes a single process", which it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return torch.load(trainer_file, weights_only=False)
