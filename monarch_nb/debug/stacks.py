@@ -52,6 +52,15 @@ def _is(module: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # -- worker side -----------------------------------------------------------------------------------
+def _frame_row(frame: Any) -> list:
+    """``[filename, line, function, source or None]`` of a live frame. ``f_lineno`` is None while a
+    frame is at an instruction without a line (CPython 3.11+: e.g. another thread caught between
+    two instructions of a call), so is the source then."""
+    line = frame.f_lineno
+    source = linecache.getline(frame.f_code.co_filename, line, frame.f_globals).strip() if line else ""
+    return [frame.f_code.co_filename, line, frame.f_code.co_name, source or None]
+
+
 def collect(agent: "DebugAgent | None" = None) -> dict:
     """Stacks of every thread of this process, as plain data (call on the proc's IO thread).
 
@@ -104,11 +113,7 @@ def collect(agent: "DebugAgent | None" = None) -> dict:
             while end > start + 1 and _is(modules[end - 1], _PLUMBING_INNER):
                 end -= 1
         entry["hidden"] = len(frames) - (end - start)
-        entry["frames"] = [
-            [f.f_code.co_filename, f.f_lineno, f.f_code.co_name,
-             linecache.getline(f.f_code.co_filename, f.f_lineno, f.f_globals).strip() or None]
-            for f in frames[start:end]
-        ]
+        entry["frames"] = [_frame_row(f) for f in frames[start:end]]
         threads.append(entry)
     order = {"actor": 0, "debug": 1, "other": 2, "io": 3}
     threads.sort(key=lambda t: (order[t["role"]], t["state"] == "idle", t["name"]))
@@ -259,7 +264,7 @@ def format_stack(data: dict, *, times: bool = True, indent: str = "  ") -> str:
             lines.append(f"{indent}  ({thread['hidden']} runtime frame(s) hidden)")
         for filename, lineno, function, source in thread["frames"]:
             lines.append(f'{indent}  File "{filename}", line {lineno}, in {function}')
-            source = source or linecache.getline(filename, lineno).strip()
+            source = source or (linecache.getline(filename, lineno).strip() if lineno else "")
             if source:
                 lines.append(f"{indent}    {source}")
     return "\n".join(lines)
