@@ -207,9 +207,20 @@ def test_a_llama_in_groups_of_two_trains_through_a_killed_shard_holder():
     rank 1 is killed mid-run; its group restarts and heals, and the loss goes down from a byte
     model's start (ln 256 = 5.55 nats)."""
     pytest.importorskip("transformers")
+    from monarch_nb.runtime.controller import Controller
+    from monarch_nb.supervision.tree import find
+
     run = mt.start("llama", procs=4, steps=40, group_size=2, parallelism="fsdp", eval_every=0,
                    faults=["kill@20:rank=1"])
+    tree_groups: dict = {}
+
+    def on_item(item):  # the supervision tree marks each proc's replica group while it trains
+        if item.get("type") == "step" and not tree_groups:
+            tree_groups.update({p["rank"]: p["group"] for p in find(Controller.get().tree(run.mesh_name), "proc")})
+
+    run.subscribe(on_item)
     report = run.report(timeout=300)
+    assert tree_groups == {0: 0, 1: 0, 2: 1, 3: 1}
     assert report.workload == "llama" and report.steps == 40
     assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)
     assert report.replicas_identical, report.failures

@@ -56,7 +56,8 @@ def grid_of(tree: dict) -> dict:
     A row is ``{"name", "state", "lost", "load", "hostname", "address", "pid", "spares", "last_event",
     "cells"}`` (``lost``: the host agent is silent or gone; ``load``: runnable procs per core, None
     before its first heartbeat); a cell is ``{"rank", "mesh", "name", "state", "pid", "restarts",
-    "cause", "host"}`` (``cause``: of its last failure, "" if none), in (mesh, rank) order.
+    "group", "cause", "host"}`` (``group``: its replica group in a sharded training run, else None;
+    ``cause``: of its last failure, "" if none), in (mesh, rank) order.
     """
     rows, counts, meshes = [], {}, []
     for host in tree.get("children", []):
@@ -68,7 +69,7 @@ def grid_of(tree: dict) -> dict:
                 continue
             failure = proc.get("last_failure") or {}
             cells.append({"rank": proc["rank"], "mesh": proc["mesh"], "name": proc["name"], "state": str(proc["state"]),
-                          "pid": proc["pid"], "restarts": proc["restarts"],
+                          "pid": proc["pid"], "restarts": proc["restarts"], "group": proc.get("group"),
                           "cause": failure.get("cause") or failure.get("kind") or ""})
             cells[-1]["title"] = cell_title(cells[-1])
             counts[str(proc["state"])] = counts.get(str(proc["state"]), 0) + 1
@@ -107,7 +108,8 @@ def node_label(node: dict) -> str:
     if kind == "host":
         return _host_facts(node) + f" · pid {node.get('pid')}"
     if kind == "proc":
-        text = (f"rank {node.get('rank')} · {node.get('name')} · pid {node.get('pid')} · {node.get('state')} · "
+        group = f" · group {node['group']}" if node.get("group") is not None else ""
+        text = (f"rank {node.get('rank')}{group} · {node.get('name')} · pid {node.get('pid')} · {node.get('state')} · "
                 f"heartbeat {_fmt_s(node.get('heartbeat_age_s'))} · restarts {node.get('restarts')}")
         if node.get("endpoint"):
             text += f" · {node['endpoint']} ({_fmt_s(node.get('endpoint_running_s'))})"
@@ -174,9 +176,11 @@ def list_html(tree: dict) -> list[str]:
 
 
 def cell_title(cell: dict) -> str:
-    """A cell's tooltip: ``rank 19 · pm0.19 · failed (SIGKILL) · pid 10019 · restarts 0``."""
+    """A cell's tooltip: ``rank 19 · pm0.19 · failed (SIGKILL) · pid 10019 · restarts 0`` (with
+    ``· replica group 9`` after the rank in a sharded training run)."""
     state = cell["state"] + (f" ({cell['cause']})" if cell["cause"] and cell["state"] == "failed" else "")
-    return f"rank {cell['rank']} · {cell['name']} · {state} · pid {cell['pid']} · restarts {cell['restarts']}"
+    group = f" · replica group {cell['group']}" if cell.get("group") is not None else ""
+    return f"rank {cell['rank']}{group} · {cell['name']} · {state} · pid {cell['pid']} · restarts {cell['restarts']}"
 
 
 def grid_html(grid: dict) -> list[str]:

@@ -96,7 +96,8 @@ function render({ model, el: host }) {
         `${node.lost ? "LOST" : node.state}` +
         `${node.load === null || node.load === undefined ? "" : ` · load ${Number(node.load).toFixed(2)}`} · pid ${node.pid}`;
       else if (node.kind === "proc") {
-        text = `rank ${node.rank} · ${node.name} · pid ${node.pid} · ${node.state} · heartbeat ${fmt(node.heartbeat_age_s)}` +
+        text = `rank ${node.rank}${node.group === null || node.group === undefined ? "" : ` · group ${node.group}`} · ` +
+          `${node.name} · pid ${node.pid} · ${node.state} · heartbeat ${fmt(node.heartbeat_age_s)}` +
           ` · restarts ${node.restarts}` + (node.endpoint ? ` · ${node.endpoint} (${fmt(node.endpoint_running_s)})` : "");
       } else if (node.kind === "spare") text = `${node.name} · ${node.state}`;
       else text = `${node.name} (${(node.detail || {}).class || "actor"}) · ${node.state}` +

@@ -404,6 +404,8 @@ def _proc_details(node: dict, host: dict | None) -> tuple[str, list]:
     facts = [["state", str(node["state"])], ["pid", str(node["pid"])], ["coords", _fact(node.get("coords"))],
              ["restarts", str(node["restarts"])], ["heartbeat age", _fact(node.get("heartbeat_age_s"))],
              ["uptime", _fact(node.get("uptime_s"))]]
+    if node.get("group") is not None:
+        facts.insert(1, ["replica group", f"{node['group']} (a sharded run: its ranks fail and restart together)"])
     if node.get("endpoint"):
         facts.append(["running", f"{node['endpoint']} for {_fact(node.get('endpoint_running_s'))}"])
     failure = node.get("last_failure")

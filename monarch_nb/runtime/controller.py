@@ -285,6 +285,18 @@ class Controller:
         """See :meth:`.proc_meshes.ProcMeshes.procs_per_core`."""
         return self.proc_meshes.procs_per_core(mesh)
 
+    def set_replica_groups(self, mesh: str, group_size: int) -> None:
+        """Mark ``mesh``'s ranks as replica groups of ``group_size`` consecutive ranks (a sharded
+        training run): the supervision tree then gives each proc its ``group``.
+
+        Raises:
+            ValueError: no such mesh, or ``group_size`` does not divide its procs.
+        """
+        record = self._mesh(mesh)
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or len(record.procs) % group_size:
+            raise ValueError(f"group_size {group_size!r} must be a positive divisor of the {len(record.procs)} procs of {mesh!r}")
+        record.replica_group_size = group_size
+
     def proc_record(self, mesh: str, rank: int) -> ProcRecord:
         """The record of rank ``rank`` of proc mesh ``mesh``.
 

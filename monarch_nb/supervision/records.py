@@ -150,6 +150,7 @@ class ProcMeshRecord:
     stopped: bool = False
     supervision: Any = None  # monarch_nb.supervision.policy.SupervisionPolicy
     rendezvous_round: int = 0  # bumped at every membership change (torchrun's restart count)
+    replica_group_size: int = 1  # ranks per replica group of a sharded training run (1: none)
 
 
 @dataclass

@@ -17,6 +17,8 @@ pid                  OS pid (0 if unknown)
 mesh                 the proc mesh's name (procs and actors), else None
 rank                 flat rank in the proc mesh (procs and their actors), else None
 coords               coordinates, dim -> index (procs and their actors), else {}
+group                the replica group of a sharded training run's proc (rank // group size; procs
+                     and their actors), else None
 restarts             times this proc was restarted (procs and their actors), else 0
 heartbeat_age_s      seconds since the proc's last heartbeat (procs and their actors), else None
 endpoint             the endpoint an actor is running now (None if idle); on a proc, the longest
@@ -45,7 +47,7 @@ NODE_STATES = tuple(ProcState)
 
 def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> dict:
     node = {
-        "kind": kind, "name": name, "state": state, "pid": pid, "mesh": None, "rank": None, "coords": {},
+        "kind": kind, "name": name, "state": state, "pid": pid, "mesh": None, "rank": None, "coords": {}, "group": None,
         "restarts": 0, "heartbeat_age_s": None, "endpoint": None, "endpoint_running_s": None,
         "uptime_s": None, "detail": {}, "children": [],
     }
@@ -107,6 +109,10 @@ def snapshot(
             if rec is None:
                 continue
             proc = _proc_node(rec, spawns, now)
+            if record.replica_group_size > 1:
+                group = rank // record.replica_group_size
+                for node in (proc, *proc["children"]):
+                    node["group"] = group
             host = host_nodes.get(rec.host)
             if host is None:
                 host = host_nodes[rec.host] = _node("host", rec.host, ProcState.FAILED, 0)

@@ -107,6 +107,8 @@ class Launch:
         self.store_host = Controller.get().rendezvous_host(self.procs.name)
         self.m.store = controller_store(self.store_host, timeout_s=o.collective_timeout_s)
         self.m.procs = self.procs
+        if o.group_size > 1:
+            Controller.get().set_replica_groups(self.procs.name, o.group_size)
         self.run.procs_ready(self.procs)
         self.run.unsubscribe_events = Controller.get().events.subscribe(self.m.on_event)
         self.procs.supervise("escalate", owner=self.m.supervise)  # this run restarts and heals its ranks
