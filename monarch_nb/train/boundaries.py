@@ -18,6 +18,7 @@ import time
 from ..faults.spec import FaultSpec
 from .recovery import RankState, TrainingError, own_failure
 from .sharding import snapshot_slots
+from .trainer_loop import WindowReply, WindowStatus
 from .waits import Stopped, wait_all
 
 __all__ = ["Boundaries"]
@@ -87,10 +88,10 @@ class Boundaries:
         failed = set()
         for win in self.windows:
             for rank, rep in sorted(win.replies.items()):
-                if isinstance(rep, dict):
-                    if rep["status"] == "nonfinite" and rep["local_nonfinite"]:
+                if isinstance(rep, WindowReply):
+                    if rep.status == WindowStatus.NONFINITE and rep.local_nonfinite:
                         parts.append(f"nonfinite gradient from rank {rank}")
-                    elif rep["status"] == "collective_failed":
+                    elif rep.status == WindowStatus.COLLECTIVE_FAILED:
                         parts.append(f"{rank}: CollectiveError")
                 else:
                     failed.add(rank)

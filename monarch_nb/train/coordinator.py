@@ -39,7 +39,9 @@ from .recovery import Membership, RankState, TrainingError, own_failure
 from .waits import Stopped, wait_all
 from .report import build_report
 from .checkpoints import checkpoint_path
+from .events import CheckpointAnswered, EvalAnswered, RankFailed, RankReady, RestartFailed, RunEvent, Wake, WindowAnswered
 from .sharding import SNAPSHOT_EVERY, snapshot_slots
+from .trainer_loop import WindowReply, WindowStatus
 
 __all__ = ["Coordinator"]
 
@@ -55,7 +57,7 @@ class _Window:
 
     def __init__(self, wid: int, quorum: int, members: list[int], start: int, count: int):
         self.id, self.quorum, self.members, self.start, self.count = wid, quorum, tuple(members), start, count
-        self.replies: dict[int, Any] = {}
+        self.replies: dict[int, WindowReply | BaseException] = {}  # the rank's reply, or why there is none
         self.oldest_since = time.monotonic()
 
     @property
@@ -71,7 +73,7 @@ class Coordinator(Launch, Boundaries):
     def __init__(self, run: Any):
         self.run = run
         self.o = run.options
-        self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.events: "queue.SimpleQueue[RunEvent]" = queue.SimpleQueue()  # see .events: who puts what
         self.m = Membership(run, self.events)
         self.procs: Any = None
         self.mesh_name = ""
@@ -120,7 +122,7 @@ class Coordinator(Launch, Boundaries):
         self._finish()
 
     def wake(self) -> None:
-        self.events.put(("wake",))
+        self.events.put(Wake())
 
     # -- training -------------------------------------------------------------------------------------
     def _train(self) -> None:
@@ -207,7 +209,7 @@ class Coordinator(Launch, Boundaries):
             for rank in win.members:
                 future = m.trainers[rank].run_window.call_one(m.quorum, start, end - start, split,
                                                               snapshots.get(rank))
-                future.add_done_callback(lambda f, w=win, r=rank: self.events.put(("reply", w, r, f)))
+                future.add_done_callback(lambda f, w=win, r=rank: self.events.put(WindowAnswered(w, r, f)))
             self.next_dispatch = end
             last = end - 1
             if o.eval_every and end % o.eval_every == 0 and end < o.steps:
@@ -215,11 +217,11 @@ class Coordinator(Launch, Boundaries):
                 for rank in m.layout.members(writer):  # a sharded model's forward needs its whole group
                     future = m.trainers[rank].evaluate.call_one()
                     if rank == writer:
-                        future.add_done_callback(lambda f, s=last, r=writer: self.events.put(("eval", s, r, f)))
+                        future.add_done_callback(lambda f, s=last, r=writer: self.events.put(EvalAnswered(s, r, f)))
             if o.checkpoint_every and end % o.checkpoint_every == 0:
                 self.run.phase("checkpointing")
                 self._send_checkpoint(writer, end).add_done_callback(
-                    lambda f, s=end, r=writer: self.events.put(("checkpoint", s, r, f)))
+                    lambda f, s=end, r=writer: self.events.put(CheckpointAnswered(s, r, f)))
             if self.run.phase_name != "training":
                 self.run.phase("training")
 
@@ -290,21 +292,20 @@ class Coordinator(Launch, Boundaries):
         self.recover = True
         self._window_done(w)
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "reply":
-            self._on_reply(*item[1:])
-        elif kind == "failed":
-            self._on_failed(*item[1:])
-        elif kind == "ready":
-            self.m.on_ready(item[1])
-        elif kind == "restart_failed":
-            self.m.on_restart_failed(item[1])
-            log.warning("rank %d could not be restarted; training goes on without it", item[1])
-        elif kind == "eval":
-            self._on_eval(*item[1:])
-        elif kind == "checkpoint":
-            self._on_checkpoint(*item[1:])
+    def _handle(self, event: RunEvent) -> None:
+        if isinstance(event, WindowAnswered):
+            self._on_reply(event.window, event.rank, event.future)
+        elif isinstance(event, RankFailed):
+            self._on_failed(event.rank, event.error, event.pid)
+        elif isinstance(event, RankReady):
+            self.m.on_ready(event.rank)
+        elif isinstance(event, RestartFailed):
+            self.m.on_restart_failed(event.rank)
+            log.warning("rank %d could not be restarted; training goes on without it", event.rank)
+        elif isinstance(event, EvalAnswered):
+            self._on_eval(event.step, event.rank, event.future)
+        elif isinstance(event, CheckpointAnswered):
+            self._on_checkpoint(event.next_step, event.rank, event.future)
 
     def _on_failed(self, rank: int, exc: BaseException, pid: int | None = None) -> None:
         if pid and pid != self.m.current_pid(rank):
@@ -319,18 +320,17 @@ class Coordinator(Launch, Boundaries):
             return  # already given up on (deadline)
         exc = future.exception(0)
         if exc is None:
-            rep = win.replies[rank] = future.get(0)
-            self.rank_next[rank] = rep["next_step"]
-            if rep["snapshots"]:
-                self.snapshots.extend(rep["snapshots"])
-            status = rep["status"]
-            if status == "nonfinite" and self.nonfinite_at is None:
-                self.nonfinite_at = rep["failed_step"]
-            elif status != "ok":
+            rep: WindowReply = future.get(0)
+            win.replies[rank] = rep
+            self.rank_next[rank] = rep.next_step
+            self.snapshots.extend(rep.snapshots)
+            if rep.status == WindowStatus.NONFINITE and self.nonfinite_at is None:
+                self.nonfinite_at = rep.failed_step
+            elif rep.status != WindowStatus.OK:
                 self.recover = True
-                if status == "collective_failed":
+                if rep.status == WindowStatus.COLLECTIVE_FAILED:
                     self.m.broken = True
-            if rep["local_nonfinite"]:
+            if rep.local_nonfinite:
                 self._poisoned(rank)
         else:
             win.replies[rank] = exc
@@ -362,25 +362,25 @@ class Coordinator(Launch, Boundaries):
         later = [w for w in self.windows if w is not win and not w.complete and w.id > win.id]
         if later:
             later[0].oldest_since = max(later[0].oldest_since, time.monotonic())
-        reps = [r for r in win.replies.values() if isinstance(r, dict)]
-        all_ok = len(reps) == len(win.members) and all(r["status"] == "ok" for r in reps)
+        reps = [r for r in win.replies.values() if isinstance(r, WindowReply)]
+        all_ok = len(reps) == len(win.members) and all(r.status == WindowStatus.OK for r in reps)
         if reps and win.start == self.next_commit:
             if all_ok:
-                self._learn_step_time(reps[0]["step_ms"])
-            self._commit_upto(win.start + min(len(r["loss"]) for r in reps))
+                self._learn_step_time(reps[0].step_ms)
+            self._commit_upto(win.start + min(r.steps_applied for r in reps))
         if self.next_commit >= win.start + win.count and win in self.windows:
             self.windows.remove(win)
         if not all_ok and self.nonfinite_at is None:
             self.recover = True
 
-    def _learn_step_time(self, step_ms: list) -> None:
+    def _learn_step_time(self, step_ms: tuple) -> None:
         if not step_ms:
             return
         s = statistics.median(step_ms) / 1e3
         self.step_s = s if self.step_s is None else 0.7 * self.step_s + 0.3 * s
 
     # -- commits ---------------------------------------------------------------------------------------
-    def _records_for(self, step: int) -> tuple[tuple, dict, dict | None, int, float | None]:
+    def _records_for(self, step: int) -> tuple[tuple, dict, WindowReply | None, int, float | None]:
         """``(members, {rank: digest or None}, a reply holding the step's record, its index, the
         largest local gradient norm reported)`` of ``step``."""
         for win in reversed(self.windows):
@@ -391,10 +391,10 @@ class Coordinator(Launch, Boundaries):
                 i = step - win.start
                 for rank in win.members:
                     rep = win.replies.get(rank)
-                    if isinstance(rep, dict) and i < len(rep["digest"]):
-                        digests[rank] = rep["digest"][i]
+                    if isinstance(rep, WindowReply) and i < rep.steps_applied:
+                        digests[rank] = rep.digest[i]
                         source = source or rep
-                        norm = rep["grad_norm"][i] if norm is None else max(norm, rep["grad_norm"][i])
+                        norm = rep.grad_norm[i] if norm is None else max(norm, rep.grad_norm[i])
                     else:
                         digests[rank] = None
                 return win.members, digests, source, i, norm
@@ -418,8 +418,8 @@ class Coordinator(Launch, Boundaries):
                       "time_s": round(now - self.t_train0, 4), "quorum": self.m.quorum, "live_ranks": list(members),
                       "step_ms": None, "grad_norm": None}
             if rep is not None:
-                ms = rep["step_ms"][i]
-                metric.update(loss=rep["loss"][i], batch_accuracy=rep["accuracy"][i], step_ms=round(ms, 3),
+                ms = rep.step_ms[i]
+                metric.update(loss=rep.loss[i], batch_accuracy=rep.accuracy[i], step_ms=round(ms, 3),
                               grad_norm=norm)
                 self.step_ms.append(ms)
                 self.productive_s += ms / 1e3

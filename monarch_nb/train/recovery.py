@@ -38,6 +38,7 @@ from typing import Any
 
 from ..errors import ActorError, MeshStoppedError, SupervisionError
 from ..supervision.records import ProcState
+from .events import RankFailed, RankReady, RestartFailed
 from .healing import Healing
 from .report import FailureRecord
 from .sharding import GroupLayout
@@ -114,8 +115,8 @@ class Membership(Healing):
 
     Args:
         run: the :class:`~monarch_nb.train.run.TrainingRun` (its lock, stop flag, recovery records).
-        events: the coordinator's event queue: restart threads put ``("ready", rank)`` and
-            ``("restart_failed", rank, exc)``; :meth:`supervise` puts ``("failed", rank, exc, pid)``.
+        events: the coordinator's event queue: restart threads put :class:`~.events.RankReady` and
+            :class:`~.events.RestartFailed`; :meth:`supervise` puts :class:`~.events.RankFailed`.
     """
 
     def __init__(self, run: Any, events: "queue.SimpleQueue"):
@@ -257,7 +258,7 @@ class Membership(Healing):
         training thread; always handled (this run restarts and heals its ranks)."""
         if not self.run.stopping:
             error = SupervisionError(failure.rank, failure.cause, failure.detail, failure.signal)
-            self.events.put(("failed", failure.rank, error, failure.pid))
+            self.events.put(RankFailed(failure.rank, error, failure.pid))
         return True
 
     def current_pid(self, rank: int) -> int | None:
@@ -336,7 +337,7 @@ class Membership(Healing):
                 if errors:
                     raise next(iter(errors.values()))
                 for r in ranks:
-                    self.events.put(("ready", r))
+                    self.events.put(RankReady(r))
                 return
             except MeshStoppedError:
                 return
@@ -352,7 +353,7 @@ class Membership(Healing):
                             _RESTART_ATTEMPTS, (str(exc).splitlines() or [type(exc).__name__])[0])
         if not self.run.stopping:
             for r in ranks:
-                self.events.put(("restart_failed", r, last))
+                self.events.put(RestartFailed(r, last))
 
     def _restart_proc(self, rank: int) -> None:
         self._wait_until_dead(rank)
@@ -384,7 +385,7 @@ class Membership(Healing):
                 trainer = self.trainers.get(rank)
                 if trainer is not None:  # the restart built a light Trainer again: make it a replica
                     trainer.setup.call_one().get(self.options.restart_timeout_s)
-                self.events.put(("ready", rank))
+                self.events.put(RankReady(rank))
                 return
             except MeshStoppedError:
                 return
@@ -403,7 +404,7 @@ class Membership(Healing):
                 log.warning("restarting rank %d failed (attempt %d of %d): %s", rank, attempt, _RESTART_ATTEMPTS,
                             first_line)
         if not self.run.stopping:
-            self.events.put(("restart_failed", rank, last))
+            self.events.put(RestartFailed(rank, last))
 
     def _wait_for_host(self, rank: int) -> None:
         """Until the host of ``rank`` serves again (attached again after it was lost) or the run stops."""

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from ..actor.endpoint import Actor, endpoint
 from . import current
 from .data import SampleOrder, digest, shard_bounds
-from .trainer_loop import FINISH, LoopDriver, WindowOrder
+from .trainer_loop import FINISH, LoopDriver, WindowOrder, WindowReply, WindowStatus
 from .sharding import GroupCollectiveError, GroupLayout, broke_the_group, form_group, local, parallelize
 from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
 from .trainer_state import StateEndpoints
@@ -126,17 +126,26 @@ class _Window:
     """The window the loop thread runs: steps ``start .. start+count-1`` and their records."""
 
     def __init__(self, rank: int, order: WindowOrder, writer: Any):
-        self.order, self.writer = order, writer
+        self.rank, self.order, self.writer = rank, order, writer
         self.cursor, self.end = order.start, order.start + order.count
         self.finished = False
         self.t_step = 0.0
-        self.out: dict[str, Any] = {"rank": rank, "quorum": order.quorum, "start": order.start, "status": "ok",
-                                    "failed_step": None, "error": "", "local_nonfinite": False,
-                                    "loss": [], "accuracy": [], "digest": [], "step_ms": [], "grad_norm": []}
+        self.status, self.failed_step, self.error, self.local_nonfinite = WindowStatus.OK, None, "", False
+        self.loss: list = []
+        self.accuracy: list = []
+        self.digest: list = []
+        self.step_ms: list = []
+        self.grad_norm: list = []
 
-    def end_with(self, status: str, step: int | None, error: str) -> None:
-        self.out.update(status=status, failed_step=step, error=error)
+    def end_with(self, status: WindowStatus, step: int | None, error: str, local_nonfinite: bool = False) -> None:
+        self.status, self.failed_step, self.error, self.local_nonfinite = status, step, error, local_nonfinite
         self.finished = True
+
+    def reply(self, next_step: int, applied_steps: int, snapshots: list) -> WindowReply:
+        o = self.order
+        return WindowReply(self.rank, o.quorum, o.start, self.status, self.failed_step, self.error, self.local_nonfinite,
+                           tuple(self.loss), tuple(self.accuracy), tuple(self.digest), tuple(self.step_ms),
+                           tuple(self.grad_norm), next_step, applied_steps, tuple(snapshots))
 
 
 class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
@@ -301,7 +310,7 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
     def _open(self, order: WindowOrder) -> _Window:
         w = _Window(self.rank, order, self._snapshot_writer(order.snapshot))
         if order.quorum != self._quorum or self._broken or order.start != self.next_step:
-            w.end_with("skipped", None, f"rank {self.rank} is in quorum {self._quorum} (broken: {self._broken}) at "
+            w.end_with(WindowStatus.SKIPPED, None, f"rank {self.rank} is in quorum {self._quorum} (broken: {self._broken}) at "
                                         f"step {self.next_step}; asked for quorum {order.quorum} at step {order.start}")
         else:
             self._data.prefetch([self._shard(s) for s in range(order.start, order.start + order.count)])
@@ -318,32 +327,29 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
             rec = self._reduce_and_apply(step, len(indices), loss, correct, step in w.order.split,
                                          self._group_weight())
         except CollectiveError as exc:
-            w.end_with("collective_failed", step, str(exc))
+            w.end_with(WindowStatus.COLLECTIVE_FAILED, step, str(exc))
             return
         if rec is None:
-            w.end_with("nonfinite", step, f"the reduced gradient of step {step} is not finite")
-            w.out["local_nonfinite"] = self._local_nonfinite
+            w.end_with(WindowStatus.NONFINITE, step, f"the reduced gradient of step {step} is not finite",
+                       self._local_nonfinite)
             return
         ms = (time.perf_counter() - w.t_step) * 1e3
         self._step_ms_avg = ms if self._step_ms_avg is None else 0.9 * self._step_ms_avg + 0.1 * ms
-        out = w.out
-        out["loss"].append(rec[0])
-        out["accuracy"].append(rec[1])
-        out["digest"].append(digest(indices))
-        out["grad_norm"].append(rec[2])
-        out["step_ms"].append(ms)
+        w.loss.append(rec[0])
+        w.accuracy.append(rec[1])
+        w.digest.append(digest(indices))
+        w.grad_norm.append(rec[2])
+        w.step_ms.append(ms)
         w.cursor = step + 1
 
-    def _reply(self, w: _Window) -> dict:
-        out = dict(w.out)
-        out.update(next_step=self.next_step, applied_steps=self.applied_steps,
-                   snapshots=self._writer.take_published() if self._writer is not None else [])
-        return out
+    def _reply(self, w: _Window) -> WindowReply:
+        return w.reply(self.next_step, self.applied_steps,
+                       self._writer.take_published() if self._writer is not None else [])
 
     # -- the controller's side ---------------------------------------------------------------------
     @endpoint
     def run_window(self, quorum: int, start: int, count: int, split: list | None = None,
-                   snapshot: dict | None = None) -> dict:
+                   snapshot: dict | None = None) -> WindowReply:
         """Run steps ``start .. start+count-1`` of the training function in quorum ``quorum``.
 
         Args:
@@ -351,15 +357,8 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
             snapshot: ``{"path", "every", "budget"}`` if this rank publishes its host's snapshots.
 
         Returns:
-            ``{"rank", "quorum", "start", "status": "ok" | "collective_failed" | "nonfinite" |
-            "skipped", "failed_step" (int or None), "error" (str), "local_nonfinite" (bool: this
-            rank's own gradient was not finite), "next_step", "applied_steps", "loss", "accuracy",
-            "digest", "step_ms", "grad_norm" (lists, one item per step applied in this window:
-            mean loss per sample or None, batch accuracy or None,
-            :func:`~monarch_nb.train.data.digest` of this rank's sample ids, milliseconds from
-            the batch to the applied update, L2 norm of this rank's local gradient), "snapshots"
-            (published since the last window)}``. ``"skipped"``: not this rank's quorum any
-            more, or not its next step (a window queued behind one that stopped).
+            this rank's :class:`~.trainer_loop.WindowReply` (status ``SKIPPED``: not this rank's
+            quorum any more, or not its next step: a window queued behind one that stopped).
 
         Raises:
             GroupCollectiveError: a sharded run's step failed in a collective of the replica group

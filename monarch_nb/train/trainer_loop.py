@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-__all__ = ["LoopDriver", "LoopState", "WindowOrder", "FINISH"]
+__all__ = ["LoopDriver", "LoopState", "WindowOrder", "WindowStatus", "WindowReply", "FINISH"]
 
 
 class LoopState(str, Enum):
@@ -42,6 +42,53 @@ class WindowOrder:
     count: int
     split: frozenset
     snapshot: dict | None
+
+
+class WindowStatus(str, Enum):
+    """How a window ended on one rank (``WindowReply.status``)."""
+
+    OK = "ok"  # every step of it applied
+    COLLECTIVE_FAILED = "collective_failed"  # a step's all-reduce failed: a peer is gone; later steps not run
+    NONFINITE = "nonfinite"  # a step's reduced gradient was not finite: not applied, later steps not run
+    SKIPPED = "skipped"  # not this rank's quorum any more, or not its next step (queued behind one that stopped)
+
+
+@dataclass(frozen=True)
+class WindowReply:
+    """What one rank tells the controller about a window (``Trainer.run_window``'s result).
+
+    Attributes:
+        rank, quorum, start: whose reply, in which quorum, for the window starting at which step.
+        status: :class:`WindowStatus`. failed_step: the step that ended it early (None if none).
+        error: why it ended early ("" if it did not). local_nonfinite: this rank's own gradient
+            was not finite (``NONFINITE`` only: the culprit is this rank).
+        loss, accuracy, digest, step_ms, grad_norm: one item per step applied in the window: mean
+            loss per sample (or None), batch accuracy (or None),
+            :func:`~monarch_nb.train.data.digest` of this rank's sample ids, milliseconds from the
+            batch to the applied update, L2 norm of this rank's local gradient.
+        next_step, applied_steps: the rank's counters after the window.
+        snapshots: the snapshots it published since its last reply (dicts of the snapshot writer).
+    """
+
+    rank: int
+    quorum: int
+    start: int
+    status: WindowStatus
+    failed_step: int | None
+    error: str
+    local_nonfinite: bool
+    loss: tuple
+    accuracy: tuple
+    digest: tuple
+    step_ms: tuple
+    grad_norm: tuple
+    next_step: int
+    applied_steps: int
+    snapshots: tuple
+
+    @property
+    def steps_applied(self) -> int:
+        return len(self.loss)
 
 
 #: the order that ends ``ft.batches`` (the run is over)
