@@ -23,9 +23,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def bench_workload(name: str, seed: int = 0):
+    """A built-in workload by name, or ``"llama-small"``: the llama workload's benchmark size
+    (3,033,344 parameters; ``"llama"`` is the tests' tiny one)."""
+    from monarch_nb.train.workloads import LlamaWorkload, default_text_path, get_workload
+
+    if name == "llama-small":
+        return LlamaWorkload(default_text_path(), size="small")
+    return get_workload(name, seed=seed)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="digits")
+    p.add_argument("--workload", default="digits", help="digits, charlm, llama or llama-small")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-size", type=int, default=2, help="ranks per replica (the shard dimension)")
@@ -47,7 +57,6 @@ def main() -> None:
     from _ddp_train import train_step
 
     from monarch_nb.train.data import SampleOrder
-    from monarch_nb.train.workloads import get_workload
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -56,7 +65,7 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     else:
         mesh = init_device_mesh("cpu", (world // args.group_size, args.group_size), mesh_dim_names=("replicate", "shard"))
-    workload = get_workload(args.workload, seed=args.seed)
+    workload = bench_workload(args.workload, seed=args.seed)
     workload.setup()
     batch = args.batch_size or workload.default_batch
     order = SampleOrder(workload.num_train, batch, args.seed)

@@ -1,9 +1,10 @@
 """Sharded training: ``monarch_nb``'s FSDP-in-groups (HSDP) vs torch's native HSDP and plain FSDP2.
 
-    .venv/bin/python bench/sharded.py [--quick] [--workload charlm|digits|llama] [--repeats 3] [--kills 6]
+    .venv/bin/python bench/sharded.py [--quick] [--workload charlm|digits|llama|llama-small] [--repeats 3] [--kills 6]
 
 One workload (the built-in ``charlm``, a small transformer, by default: tens of ms a step; or
-``llama``: transformers' LlamaForCausalLM, the tiny size, 106,816 parameters), the
+``llama``: transformers' LlamaForCausalLM, the tests' tiny size, 106,816 parameters; ``llama-small``:
+3,033,344), the
 same model, seed, sample order and global batch everywhere, 4 ranks on this machine, measured in
 this one run:
 
@@ -49,6 +50,7 @@ RESULTS = os.path.join(REPO, "bench", "results", "sharded.json")
 HSDP_SCRIPT = os.path.join(REPO, "bench", "_hsdp_train.py")
 PROCS, GROUP = 4, 2
 
+from _hsdp_train import bench_workload  # noqa: E402
 from own_loop import _steady, wait_whole  # noqa: E402
 from training import _free_port, _netns_prefix, _pct  # noqa: E402
 
@@ -58,8 +60,8 @@ def run_ft(workload: str, steps: int, seed: int) -> dict:
     import monarch_nb.train as mt
 
     commits: dict[int, float] = {}
-    run = mt.start(workload, procs=PROCS, steps=steps, group_size=GROUP, parallelism="fsdp", eval_every=0,
-                   seed=seed)
+    run = mt.start(bench_workload(workload, seed), procs=PROCS, steps=steps, group_size=GROUP, parallelism="fsdp",
+                   eval_every=0, seed=seed)
     run.subscribe(lambda m: commits.__setitem__(m["step"], m["time_s"]) if m.get("type") == "step" else None)
     report = run.report(timeout=1800)
     times = [commits[s] for s in sorted(commits)]
@@ -91,8 +93,8 @@ def kills(workload: str, n: int, seed: int) -> dict:
     """``n`` SIGKILLs of a shard holder during one long sharded run, one at a time."""
     import monarch_nb.train as mt
 
-    run = mt.start(workload, procs=PROCS, steps=10_000_000, group_size=GROUP, parallelism="fsdp", eval_every=0,
-                   seed=seed, spares=GROUP)
+    run = mt.start(bench_workload(workload, seed), procs=PROCS, steps=10_000_000, group_size=GROUP,
+                   parallelism="fsdp", eval_every=0, seed=seed, spares=GROUP)
     try:
         deadline = time.monotonic() + 300
         while run.step < 20 and time.monotonic() < deadline and not run.done():
@@ -126,14 +128,15 @@ def kills(workload: str, n: int, seed: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps, 1 repeat, 2 kills")
-    p.add_argument("--workload", choices=("charlm", "digits", "llama"), default="charlm")
+    p.add_argument("--workload", choices=("charlm", "digits", "llama", "llama-small"), default="charlm",
+                   help="llama: the tests' tiny Llama (106,816 parameters); llama-small: 3,033,344")
     p.add_argument("--steps", type=int,
                    help="steps of each steady run (default 400 charlm and llama / 1500 digits; quick: 120)")
     p.add_argument("--repeats", type=int, help="steady runs of each runtime (median; default 3, quick 1)")
     p.add_argument("--kills", type=int, help="SIGKILLs of a shard holder (default 6, quick 2)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    steps = args.steps or (120 if args.quick else {"charlm": 400, "llama": 400, "digits": 1500}[args.workload])
+    steps = args.steps or (120 if args.quick else {"charlm": 400, "llama": 400, "llama-small": 100, "digits": 1500}[args.workload])
     repeats = args.repeats or (1 if args.quick else 3)
     n_kills = args.kills if args.kills is not None else (2 if args.quick else 6)
 
