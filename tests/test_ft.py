@@ -224,7 +224,7 @@ def test_bad_arguments_are_refused_before_anything_starts():
 
 def test_a_dataloader_with_workers_is_a_source():
     """A DataLoader with worker processes: its workers load each window's shards ahead."""
-    run = mt.start(_loader_loop, procs=2, keep_parameters=True)
+    run = mt.start(_loader_loop, procs=2, keep_parameters=True, spares=0)
     report = _check(run, steps=20, loss=False)  # opt.step() reports no loss
     assert report.workload == "_loader_loop"
     wait_until(lambda: run.done(), 30, message="the run ended")

@@ -169,14 +169,14 @@ def _whole(parameters: dict, group_size: int) -> dict:
 
 
 def test_a_checkpoint_saved_in_groups_of_two_resumes_in_one_group_of_four(tmp_path):
-    """DCP checkpoints of a sharded run load into another layout: a run in groups of 2 saves at
+    """DCP checkpoints of a sharded run load into another layout: a run in a group of 2 saves at
     steps 12 and 24; a run in one group of 4 resumes from step 12 and ends where the first ended
     (same model, optimizer state and samples; the sums are grouped differently, so to rounding)."""
     import shutil
 
     import numpy as np
 
-    first = mt.start("digits", procs=4, steps=24, group_size=2, parallelism="fsdp", eval_every=0,
+    first = mt.start("digits", procs=2, steps=24, group_size=2, parallelism="fsdp", eval_every=0,
                      checkpoint_dir=str(tmp_path / "a"), checkpoint_every=12, keep_parameters=True, spares=0)
     assert first.report(timeout=240).steps == 24
     assert sorted(os.listdir(tmp_path / "a")) == ["step00000012.dcp", "step00000024.dcp"]

@@ -97,7 +97,7 @@ def test_cli_report_of_a_file_that_is_not_a_report(capsys, tmp_path):
 @pytest.fixture(scope="module")
 def reference(no_leaked_processes):
     """The fault-free run every faulty run must match (windows sized by time, two in flight)."""
-    run = start("digits", procs=PROCS, steps=STEPS, seed=0, **FIT)
+    run = start("digits", procs=PROCS, steps=STEPS, seed=0, spares=0, **FIT)  # fault free: no spare to start
     report = run.report(timeout=150)
     assert report.failures == [] and report.steps == STEPS
     return run
@@ -131,10 +131,10 @@ def _check_matches_reference(run, reference, *, expect_rejoined: list[int], exac
 def test_the_per_step_loop_and_windows_give_bit_identical_parameters(reference):
     """One round trip per step (window 1, nothing in flight ahead) and fixed windows of 5 steps
     train exactly what the default (windows sized by time, two in flight) trained."""
-    per_step = start("digits", procs=PROCS, steps=STEPS, seed=0, window_steps=1, pipeline=1, **FIT)
+    per_step = start("digits", procs=PROCS, steps=STEPS, seed=0, window_steps=1, pipeline=1, spares=0, **FIT)
     report = _check_matches_reference(per_step, reference, expect_rejoined=[], exact=True)
     assert report.window_steps_median == 1.0
-    fives = start("digits", procs=PROCS, steps=STEPS, seed=0, window_steps=5, **FIT)
+    fives = start("digits", procs=PROCS, steps=STEPS, seed=0, window_steps=5, spares=0, **FIT)
     assert _check_matches_reference(fives, reference, expect_rejoined=[], exact=True).window_steps_median == 5.0
     assert report.params_checksum == reference.report().params_checksum
 
@@ -292,11 +292,11 @@ def test_a_warm_spare_takes_the_killed_ranks_place_and_the_pool_refills(referenc
 
 def test_disk_checkpoint_restarts_the_whole_job(reference, tmp_path):
     """Optional disk checkpoints (not used for single-rank recovery) resume a stopped job."""
-    first = start("digits", procs=PROCS, steps=12, seed=0, checkpoint_dir=str(tmp_path), checkpoint_every=6,
+    first = start("digits", procs=PROCS, steps=12, seed=0, checkpoint_dir=str(tmp_path), checkpoint_every=6, spares=0,
                   eval_every=0)
     assert first.report(timeout=150).steps == 12
     assert sorted(os.listdir(tmp_path)) == ["step00000006.pt", "step00000012.pt"]
-    run = start("digits", procs=PROCS, steps=STEPS, seed=0, checkpoint_dir=str(tmp_path), resume=True, **FIT)
+    run = start("digits", procs=PROCS, steps=STEPS, seed=0, checkpoint_dir=str(tmp_path), resume=True, spares=0, **FIT)
     report = run.report(timeout=150)
     assert run.metrics[0]["step"] == 12 and report.steps == STEPS - 12
     assert (report.steps_lost, report.samples_lost, report.samples_repeated) == (0, 0, 0)
@@ -311,7 +311,7 @@ def test_charlm_trains_on_a_real_text_file(tmp_path, no_leaked_processes):
 
     text = tmp_path / "text.txt"
     text.write_bytes(open(inspect.__file__, "rb").read()[:20000])
-    run = start("charlm", procs=2, steps=4, seed=0, text=str(text), eval_every=0)
+    run = start("charlm", procs=2, steps=4, seed=0, text=str(text), eval_every=0, spares=0)
     report = run.report(timeout=150)
     assert report.workload == "charlm" and report.steps == 4
     assert report.final_loss is not None and 0 < report.final_loss < 6.0  # below log(256) = 5.55 + slack
@@ -340,7 +340,7 @@ def test_a_trainer_that_cannot_be_built_ends_the_run_with_its_error(no_leaked_pr
 
     workload = Workload.custom(broken_model, (torch.zeros(8, 2), torch.zeros(8)), torch.nn.functional.mse_loss,
                                batch_size=4)
-    run = start(workload, procs=2, steps=4, seed=0, eval_every=0)
+    run = start(workload, procs=2, steps=4, seed=0, eval_every=0, spares=0)
     with pytest.raises(Exception, match="failed on every rank before its first step.*this model has no layers yet"):
         run.report(timeout=150)
     assert Controller.get().meshes[run.mesh_name].stopped
