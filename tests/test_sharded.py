@@ -170,8 +170,9 @@ def _whole(parameters: dict, group_size: int) -> dict:
 
 def test_a_checkpoint_saved_in_groups_of_two_resumes_in_one_group_of_four(tmp_path):
     """DCP checkpoints of a sharded run load into another layout: a run in a group of 2 saves at
-    steps 12 and 24; a run in one group of 4 resumes from step 12 and ends where the first ended
-    (same model, optimizer state and samples; the sums are grouped differently, so to rounding)."""
+    steps 12 and 24; a run in one group of 4, and an unsharded one, resume from step 12 and end
+    where the first ended (same model, optimizer state and samples; the sums are grouped
+    differently, so to rounding)."""
     import shutil
 
     import numpy as np
@@ -189,6 +190,13 @@ def test_a_checkpoint_saved_in_groups_of_two_resumes_in_one_group_of_four(tmp_pa
     ended, resumed = _whole(first.parameters, 2), _whole(second.parameters, 4)
     assert sorted(ended) == sorted(resumed)
     for name, tensor in resumed.items():
+        np.testing.assert_allclose(tensor.numpy(), ended[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    # and into an unsharded run (plain data parallel on 2 ranks): whole tensors, the same Adam state
+    shutil.copytree(tmp_path / "a" / "step00000012.dcp", tmp_path / "c" / "step00000012.dcp")
+    third = mt.start("digits", procs=2, steps=24, eval_every=0, checkpoint_dir=str(tmp_path / "c"), resume=True,
+                     keep_parameters=True, spares=0)
+    assert third.report(timeout=240).steps == 12 and third.metrics[0]["step"] == 12
+    for name, tensor in third.parameters[0].items():
         np.testing.assert_allclose(tensor.numpy(), ended[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
 
 

@@ -16,7 +16,7 @@ import os
 import time
 
 from ..faults.spec import FaultSpec
-from .recovery import RankState, TrainingError, own_failure
+from .recovery import RankState, TrainingError
 from .sharding import snapshot_slots
 from .trainer_loop import WindowReply, WindowStatus
 from .waits import Stopped, wait_all
@@ -136,13 +136,14 @@ class Boundaries:
         rank = self.m.live[0]
         self.run.phase("checkpointing")
         try:
-            self.m._get(self._send_checkpoint(rank, self.next_commit), self.o.collective_timeout_s)
+            saved = self.m._get(self._send_checkpoint(rank, self.next_commit), self.o.collective_timeout_s)
         except Stopped:
             raise
         except Exception as exc:
-            self.checkpoint_lost = True
-            if own_failure(exc):
-                self.m.fail_rank(rank, exc)
+            self._checkpoint_failed(rank, exc)
+        else:
+            if saved["path"] is not None:
+                self.checkpoint_failures = 0
 
     def _snapshot_to_restore(self) -> dict[int, str] | None:
         """``{ready rank: snapshot path}`` to restore, or None if there is none. In a sharded run,

@@ -49,21 +49,26 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.abspath(os.path.join(directory, max(found)[2])) if found else None
 
 
-def save_sharded(path: str, model: Any, optimizer: Any, trainer_state: dict, group_rank: int) -> None:
+def save_sharded(path: str, model: Any, optimizer: Any, trainer_state: dict, group_rank: int, incarnation: int) -> None:
     """Write this rank's shards of ``model`` and ``optimizer`` to the DCP folder ``path``, with
     the rest of the group (collective over the proc's default process group: every rank of the
     group calls it). The group's rank 0 also writes ``trainer_state`` (counters, registered
-    objects: the same on every rank) and renames ``<path>.tmp`` to ``path``.
+    objects: the same on every rank) and renames ``<path>.tmp<incarnation>`` to ``path`` (a
+    temporary folder per incarnation of the group, so a writer group being taken out never
+    touches its successor's), then removes what earlier incarnations left.
 
     Raises:
-        RuntimeError / OSError: a partner failed during the save, or the disk did; nothing is
-            renamed then, so no half-written checkpoint looks complete.
+        torch.distributed.checkpoint's CheckpointException, RuntimeError or OSError: a partner
+            failed during the save, or the disk did; nothing is renamed then, so no half-written
+            checkpoint looks complete.
     """
+    import glob
+
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.tmp{incarnation}"
     if group_rank == 0:  # a folder left by a save that was killed: partners write only after the plan is agreed
         shutil.rmtree(tmp, ignore_errors=True)
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -72,6 +77,8 @@ def save_sharded(path: str, model: Any, optimizer: Any, trainer_state: dict, gro
         torch.save(trainer_state, os.path.join(tmp, TRAINER_FILE))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+        for stale in glob.glob(glob.escape(path) + ".tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_sharded(path: str, model: Any, optimizer: Any, distributed: bool) -> dict:
@@ -90,11 +97,21 @@ def load_sharded(path: str, model: Any, optimizer: Any, distributed: bool) -> di
     trainer_file = os.path.join(path, TRAINER_FILE)
     if not os.path.isfile(trainer_file):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint (no {TRAINER_FILE})")
-    # fresh dicts: set_state_dict replaces the tensors of the dict it is given
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    with warnings.catch_warnings():  # no_dist: DCP warns that it "assumes a single process", which it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # get_state_dict creates a fresh optimizer's state (a zero step) only when no parameter has a
+    # gradient; an unsharded trainer's are views of its flat buffer from the start: set aside
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        # fresh dicts: set_state_dict replaces the tensors of the dict it is given
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        with warnings.catch_warnings():  # no_dist: DCP warns that it "assumes a single process", which it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
     return torch.load(trainer_file, weights_only=False)

@@ -48,6 +48,7 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _MAX_WINDOW = 4096
+_CHECKPOINT_TRIES = 3  # failed disk checkpoints in a row that end a run
 
 
 class _Window:
@@ -95,6 +96,7 @@ class Coordinator(Launch, Boundaries):
         self.attempts_failed = 0
         self.pending_evals: dict[int, dict] = {}
         self.checkpoint_lost = False
+        self.checkpoint_failures = 0  # in a row (see _checkpoint_failed)
         self.snapshot_path = ""
         self.snapshots: list[dict] = []
         self.restores: list[dict] = []
@@ -245,7 +247,7 @@ class Coordinator(Launch, Boundaries):
         """Queue the checkpoint before step ``next_step`` on ``writer`` (in a sharded run on every
         rank of its group: each saves its shards); returns ``writer``'s future (the others fail
         with it: a partner's failure fails the group's collective save)."""
-        path = checkpoint_path(self.o.checkpoint_dir, next_step, self.m.layout.size > 1)
+        path = checkpoint_path(self.o.checkpoint_dir, next_step, self.o.sharded)
         os.makedirs(self.o.checkpoint_dir, exist_ok=True)
         futures = {rank: self.m.trainers[rank].save_checkpoint.call_one(path, next_step)
                    for rank in self.m.layout.members(writer)}
@@ -452,12 +454,29 @@ class Coordinator(Launch, Boundaries):
     def _on_checkpoint(self, next_step: int, rank: int, future: Any) -> None:
         exc = future.exception(0)
         if exc is not None:
+            self._checkpoint_failed(rank, exc)
+        elif future.get(0)["path"] is None:
             self.checkpoint_lost = True
-            if own_failure(exc) and self.m.state.get(rank) == RankState.LIVE:
-                self._on_failed(rank, exc)
-            return
-        if future.get(0)["path"] is None:
-            self.checkpoint_lost = True
+        else:
+            self.checkpoint_failures = 0
+
+    def _checkpoint_failed(self, rank: int, exc: BaseException) -> None:
+        """A disk checkpoint failed: it is taken again at the next boundary. A save that raised in a
+        live proc (the disk; a group partner gone mid-save) fails no rank — restarting it would not
+        help — but three such failures in a row end the run; a dead or silent writer is failed.
+
+        Raises:
+            TrainingError: the third failed checkpoint in a row.
+        """
+        self.checkpoint_lost = True
+        if isinstance(exc, ActorError):
+            self.checkpoint_failures += 1
+            if self.checkpoint_failures >= _CHECKPOINT_TRIES:
+                raise TrainingError(f"disk checkpoints to {self.o.checkpoint_dir} failed {self.checkpoint_failures} "
+                                    f"times in a row (the last on rank {rank}: {exc}); fix the folder (space, "
+                                    "permissions) or leave checkpoint_every out")
+        elif own_failure(exc) and self.m.state.get(rank) == RankState.LIVE:
+            self._on_failed(rank, exc)
 
     # -- the end ---------------------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -221,7 +221,8 @@ class Launch:
         for rank, exc in errors.items():
             self.m.fail_rank(rank, exc)
         if not values:
-            raise TrainingError(f"no rank could load the checkpoint {path}")
+            first = next(iter(errors.values()), None)
+            raise TrainingError(f"no rank could load the checkpoint {path}" + (f": {first}" if first else ""))
         start = min(values.values())
         self.start_step = self.next_commit = self.next_dispatch = start
         self.run.step = start

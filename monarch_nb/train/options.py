@@ -63,6 +63,11 @@ class TrainOptions:
     group_size: int = 1
     parallelism: Any = "ddp"
 
+    @property
+    def sharded(self) -> bool:
+        """The model is split inside replica groups (``group_size > 1`` or a parallelism other than "ddp")."""
+        return (self.group_size, self.parallelism) != (1, "ddp")
+
     def learn_geometry(self, num_samples: int, global_batch: int, steps: int) -> None:
         """What the ranks' ``ft.batches`` asked for (a training function's run), checked as
         :func:`make_options` checks a workload's.

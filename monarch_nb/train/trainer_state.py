@@ -32,6 +32,7 @@ class StateEndpoints:
     checkpoints, memory. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which provides
     ``model``, ``optimizer``, ``registered``, ``device``, ``rank``, ``chunk_bytes``,
     ``applied_steps``, ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg``, ``_sharded``, ``layout``,
+    ``_group_generation``,
     ``_leave_group()`` and ``_forget_attempt()``."""
 
     _writer: SnapshotWriter | None = None
@@ -149,21 +150,37 @@ class StateEndpoints:
         step (a checkpoint queued behind a window that stopped early is skipped).
 
         Raises:
-            RuntimeError / OSError: a group partner failed during a sharded save, or the disk did.
+            CheckpointException / RuntimeError / OSError: a group partner failed during a sharded
+                save, or the disk did.
         """
         import torch
 
-        if next_step is not None and next_step != self.next_step:
+        if self._sharded:  # the group's ranks save together or not at all (DCP's save is collective)
+            at_step = self._group_agrees(next_step is None or next_step == self.next_step)
+        else:
+            at_step = next_step is None or next_step == self.next_step
+        if not at_step:
             return {"path": None, "next_step": self.next_step}
         trainer_state = {"registered": {name: obj.state_dict() for name, obj in self.registered.items()},
                          "applied_steps": self.applied_steps, "next_step": self.next_step}
         if self._sharded:
-            save_sharded(path, self.model, self.optimizer, trainer_state, self.layout.shard_of(self.rank))
+            save_sharded(path, self.model, self.optimizer, trainer_state, self.layout.shard_of(self.rank),
+                         self._group_generation)
             return {"path": path, "next_step": self.next_step}
         tmp = f"{path}.tmp{os.getpid()}"
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **trainer_state}, tmp)
         os.replace(tmp, path)
         return {"path": path, "next_step": self.next_step}
+
+    def _group_agrees(self, mine: bool) -> bool:
+        """True if every rank of this rank's replica group says True (a MIN all-reduce over the
+        proc's default group, the replica group)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
