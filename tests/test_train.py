@@ -385,8 +385,8 @@ def test_readme_main_job_command_runs(tmp_path):
 
 @pytest.mark.slow
 def test_many_ranks_on_two_cores_train_without_a_restart(tmp_path):
-    RANKS = 12  # noqa: N806 - a constant of this test
-    """Overload: 12 ranks on this 2-core machine (6 per core), with the default timeouts, train 20
+    RANKS = 8  # noqa: N806 - a constant of this test
+    """Overload: 8 ranks on this 2-core machine (4 per core), with the default timeouts, train 20
     steps within 3 minutes: heavy imports run in turn, no rank is taken for hung or restarted, the
     overload is said in one line and nothing else is printed as an error."""
     out = tmp_path / "report.json"
