@@ -155,10 +155,9 @@ class StateEndpoints:
         """
         import torch
 
+        at_step = next_step is None or next_step == self.next_step
         if self._sharded:  # the group's ranks save together or not at all (DCP's save is collective)
-            at_step = self._group_agrees(next_step is None or next_step == self.next_step)
-        else:
-            at_step = next_step is None or next_step == self.next_step
+            at_step = self._group_agrees(at_step)
         if not at_step:
             return {"path": None, "next_step": self.next_step}
         trainer_state = {"registered": {name: obj.state_dict() for name, obj in self.registered.items()},
