@@ -216,10 +216,8 @@ class Coordinator(Launch, Boundaries):
             last = end - 1
             if o.eval_every and end % o.eval_every == 0 and end < o.steps:
                 self.run.phase("evaluating")
-                for rank in m.layout.members(writer):  # a sharded model's forward needs its whole group
-                    future = m.trainers[rank].evaluate.call_one()
-                    if rank == writer:
-                        future.add_done_callback(lambda f, s=last, r=writer: self.events.put(EvalAnswered(s, r, f)))
+                self._on_group(writer, lambda t: t.evaluate.call_one()).add_done_callback(
+                    lambda f, s=last, r=writer: self.events.put(EvalAnswered(s, r, f)))
             if o.checkpoint_every and end % o.checkpoint_every == 0:
                 self.run.phase("checkpointing")
                 self._send_checkpoint(writer, end).add_done_callback(
@@ -249,8 +247,13 @@ class Coordinator(Launch, Boundaries):
         with it: a partner's failure fails the group's collective save)."""
         path = checkpoint_path(self.o.checkpoint_dir, next_step, self.o.sharded)
         os.makedirs(self.o.checkpoint_dir, exist_ok=True)
-        futures = {rank: self.m.trainers[rank].save_checkpoint.call_one(path, next_step)
-                   for rank in self.m.layout.members(writer)}
+        return self._on_group(writer, lambda t: t.save_checkpoint.call_one(path, next_step))
+
+    def _on_group(self, writer: int, call: Any) -> Any:
+        """``call(trainer)`` on every rank of ``writer``'s replica group (only ``writer`` when
+        unsharded): a sharded model's forward and its collective save need the whole group.
+        Returns ``writer``'s future."""
+        futures = {rank: call(self.m.trainers[rank]) for rank in self.m.layout.members(writer)}
         return futures[writer]
 
     # -- events ----------------------------------------------------------------------------------------
