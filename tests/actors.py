@@ -122,3 +122,21 @@ class WorkshopWorker(Actor):
     @endpoint
     def work(self, x: int) -> int:
         return x * (self.rank + 1)
+
+
+class Whereabouts(Actor):
+    """Says what a proc was started with: parent, session, environment, modules, a random draw."""
+
+    @endpoint
+    def where(self) -> dict:
+        import numpy
+        import random
+
+        from monarch_nb.config import config
+
+        print(f"rank {os.environ['RANK']} says hello", flush=True)
+        return {"pid": os.getpid(), "ppid": os.getppid(), "own_session": os.getsid(0) == os.getpid(),
+                "rank": int(os.environ["RANK"]), "marker": os.environ.get("MONARCH_NB_TEST_MARKER"),
+                "hang_timeout_s": config.hang_timeout_s, "cwd": os.getcwd(),
+                "preloaded": sorted(m for m in ("json.tool", "forkserver_probe") if m in sys.modules),
+                "numpy_draw": float(numpy.random.random()), "random_draw": random.random()}

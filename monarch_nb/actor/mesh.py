@@ -129,7 +129,12 @@ class HostMesh(MeshBase):
             spares: warm spare procs to keep per host. A spare has already started and imported
                 ``preload``; ``restart(rank)`` hands it the rank (same rank and coordinates, new
                 pid) instead of starting a new interpreter, and a new spare is started behind it.
-            preload: modules a spare imports while it waits, e.g. ``("torch",)``.
+            preload: modules every proc of the mesh needs, e.g. ``("torch",)``. On Linux the
+                host agent starts a fork server that imports them once and forks the procs (and
+                spares) from it: milliseconds per proc instead of seconds of ``import torch``
+                each (see :mod:`monarch_nb.runtime.forkserver`); the server is kept for the next
+                mesh like it. Without one (another OS, or it failed), spares import them while
+                they wait.
 
         Raises:
             ValueError: a bad ``per_host`` (dims must be identifiers with positive int sizes) or

@@ -19,6 +19,10 @@ Rules it keeps:
   which imported the mesh's ``preload`` modules and wait for a spec on their stdin. Restarting a
   rank of that mesh hands the spec to a ready spare (same rank and coordinates, new pid: no
   interpreter start, no ``import torch``) and starts a replacement in the background.
+- Procs of a mesh that names modules to ``preload`` (a training mesh: torch, the trainer) are
+  forked from a fork server that imported them once (:mod:`.forkserver`), spares included; the
+  agent is a child subreaper, so it stays the parent of every proc. Without a ready server (none
+  yet for that interpreter and environment, or it failed) procs start as fresh interpreters.
 - Heavy imports take a slot: at most one proc per core imports torch (or another heavy module) at
   a time (lock files in the agent's folder), so 64 procs on 2 cores do not thrash for minutes.
 
@@ -50,7 +54,8 @@ from ..transport import shm
 from ..transport.channel import Channel
 from ..transport.keys import load_trust
 from ..transport.wire import Signer
-from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
+from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
+from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import CONTROLLER, AgentEnv, AgentExit, Kind, ProcEnv
 
 log = logging.getLogger("monarch_nb.host_agent")
@@ -60,6 +65,8 @@ SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP, "SIGCONT": sign
 #: Spares that die this many times in a row, each within SPARE_MIN_LIFE_S of its start, are not replaced.
 SPARE_MAX_QUICK_DEATHS = 3
 SPARE_MIN_LIFE_S = 5.0
+#: Fork servers kept per agent (one per interpreter, environment and preload; the least recently used goes).
+MAX_FORK_SERVERS = 2
 
 
 @dataclass
@@ -68,7 +75,7 @@ class ChildProc:
 
     identity: str | None
     rank: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProc
     mesh: str = ""
     fds: dict = field(default_factory=dict)  # fd -> stream name
     seq: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
@@ -87,7 +94,17 @@ class SparePool:
     base_env: dict | None  # the controller's environment (this machine), or None: the agent's own
     proc_env: dict  # ProcEnv fields shared by the mesh's procs (controller, run_id, extent, ...)
     cwd: str | None
+    python: str | None = None
     quick_deaths: int = 0
+
+
+@dataclass
+class ForkRequest:
+    """A proc asked of a fork server, its reply not read yet: a rank's (``spec``) or a spare of ``mesh``."""
+
+    mesh: str
+    spec: dict | None = None  # None: a spare
+    cancelled: bool = False  # a newer incarnation of the rank was started meanwhile
 
 
 class HostAgent:
@@ -113,6 +130,9 @@ class HostAgent:
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         sweep_stale_run_dirs()  # of agents killed before they could clean up
         self.folder = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-agent-")
+        self.subreaper = become_subreaper()
+        self.servers: dict[str, ForkServer] = {}  # server_key -> server (a dead one stays: no retry storm)
+        self._unclaimed_exits: dict[int, int] = {}  # pid -> status of a forked proc reaped before its reply was read
         self._sigchld_r, self._sigchld_w = os.pipe()
         os.set_blocking(self._sigchld_r, False)
         os.set_blocking(self._sigchld_w, False)
@@ -141,8 +161,9 @@ class HostAgent:
         return proc_env
 
     def _spawn(self, spec: dict) -> None:
-        """Start one proc from its spec (see :func:`monarch_nb.runtime.launch.proc_specs`), on a
-        ready warm spare of its mesh when there is one."""
+        """Start one proc from its spec (see :func:`monarch_nb.runtime.launch.proc_specs`): on a
+        ready warm spare of its mesh when there is one, else forked from its fork server, else as
+        a fresh interpreter."""
         identity = spec["identity"]
         self._end_incarnations(identity)
         mesh = identity.rsplit(".", 1)[0]
@@ -150,19 +171,121 @@ class HostAgent:
         if spare is not None and self._assign(spare, spec):
             self._refill(mesh)
             return
-        proc_env = self._host_env(ProcEnv.from_json(spec["env"]))
-        base = spec.get("base_env")
-        env = dict(base) if base is not None else dict(os.environ)
-        env.update(proc_env.to_env())
-        env["PYTHONUNBUFFERED"] = "1"
+        env = self._proc_environ(spec.get("base_env"), self._host_env(ProcEnv.from_json(spec["env"])))
+        server = self._server(spec.get("python"), spec.get("cwd"), spec.get("preload", []), spec.get("base_env"), spec["env"])
+        if server is not None and server.state == ServerState.STARTING:
+            server.held.append(spec)  # forked when the server is ready (see _on_server_ready)
+            return
+        if server is not None and server.fork(env, spec.get("cwd"), ForkRequest(mesh, spec)):
+            return  # adopted when the reply comes (see _on_server_reply)
+        self._start_fresh(spec, env)
+
+    def _start_fresh(self, spec: dict, env: dict[str, str]) -> None:
+        identity = spec["identity"]
         try:
             popen = self._popen([identity], env, spec.get("cwd"), python=spec.get("python"))
         except OSError as exc:
             self.channel.send(CONTROLLER, {"kind": Kind.PROC_EXITED, "proc": identity, "pid": 0, "returncode": 127,
                                            "signal": None, "detail": f"could not start: {exc}"})
             return
-        self._adopt(ChildProc(identity, spec["rank"], popen, mesh))
+        self._adopt(ChildProc(identity, spec["rank"], popen, identity.rsplit(".", 1)[0]))
         self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": identity, "pid": popen.pid})
+
+    @staticmethod
+    def _proc_environ(base_env: dict | None, proc_env: ProcEnv) -> dict[str, str]:
+        """A proc's whole environment: the controller's (or this agent's), then the proc's own."""
+        env = dict(base_env) if base_env is not None else dict(os.environ)
+        env.update(proc_env.to_env())
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    # -- fork servers --------------------------------------------------------------------------------
+    def _server(self, python: str | None, cwd: str | None, preload: list[str], base_env: dict | None,
+                proc_env: dict) -> ForkServer | None:
+        """The fork server for procs with these settings, started if there is none; None when
+        procs of this kind are not forked (nothing to preload, or not a subreaper) or it failed."""
+        if not preload or not self.subreaper:
+            return None
+        env = self._proc_environ(base_env, self._host_env(ProcEnv.from_json(spare_proc_env(proc_env))))
+        python = python or sys.executable
+        key = server_key(python, cwd, preload, env)
+        server = self.servers.get(key)
+        if server is None:
+            live = sorted((s for s in self.servers.values() if s.state != ServerState.DEAD), key=lambda s: s.last_used)
+            for old in live[:max(0, len(live) - MAX_FORK_SERVERS + 1)]:
+                self._close_server(old, forget=True)
+            try:
+                server = ForkServer(key, python, env, cwd, preload)
+            except OSError as exc:
+                log.warning("could not start a fork server (%s): procs start as fresh interpreters", exc)
+                return None
+            self.servers[key] = server
+            self.channel.add_reader(server.ready_fd, lambda _fd, server=server: self._on_server_ready(server))
+            self.channel.add_reader(server.sock.fileno(), lambda _fd, server=server: self._on_server_reply(server))
+        if server.state == ServerState.DEAD:
+            return None
+        return server
+
+    def _on_server_ready(self, server: ForkServer) -> None:
+        self.channel.remove_reader(server.ready_fd)
+        server.on_ready()
+        if server.state == ServerState.DEAD:
+            log.warning("fork server %d exited while importing %s: procs start as fresh interpreters", server.pid, server.preload)
+            self._close_server(server)
+        held, server.held = server.held, []
+        for spec in held:
+            self._spawn(spec)
+        for mesh in list(self.pools):
+            self._refill(mesh)
+
+    def _on_server_reply(self, server: ForkServer) -> None:
+        for request, forked in server.replies():
+            self._on_forked(request, forked)
+        if server.state == ServerState.DEAD:
+            self._close_server(server)
+
+    def _on_forked(self, request: ForkRequest, forked: ForkedProc | None) -> None:
+        """A fork server answered ``request``: adopt the new proc (or start it another way)."""
+        if forked is not None and request.cancelled:
+            try:
+                os.kill(forked.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for f in (forked.stdin, forked.stdout, forked.stderr):
+                f.close()
+            return
+        if request.spec is None:  # a spare: ready at once, its imports are the server's
+            if forked is None:
+                self._refill(request.mesh, fresh=True)
+                return
+            self._adopt(ChildProc(None, -1, forked, request.mesh, ready=True))
+            self._report_spares(request.mesh)
+        else:
+            spec = request.spec
+            if forked is None:
+                self._start_fresh(spec, self._proc_environ(spec.get("base_env"), self._host_env(ProcEnv.from_json(spec["env"]))))
+                return
+            child = ChildProc(None, -1, forked, request.mesh)
+            self._adopt(child)
+            if not self._assign(child, spec, spare=False):
+                log.warning("forked proc %d of %s closed its stdin at once", forked.pid, spec["identity"])
+                child.identity, child.rank = spec["identity"], spec["rank"]
+        status = self._unclaimed_exits.pop(forked.pid, None)
+        if status is not None:  # it died before its reply was read
+            self._forget(forked.pid, self.children[forked.pid], report=True, status=status)
+
+    def _close_server(self, server: ForkServer, *, forget: bool = False) -> None:
+        """Stop ``server`` (its procs live on); what it will not answer starts another way."""
+        for fd in (server.ready_fd, server.sock.fileno()):
+            if fd >= 0:
+                self.channel.remove_reader(fd)
+        held, server.held = server.held, []
+        for request, forked in server.close():
+            self._on_forked(request, forked)
+        for spec in held:
+            self._spawn(spec)
+        if forget:
+            self.servers.pop(server.key, None)
 
     def _popen(self, args: list[str], env: dict, cwd: str | None, pass_fds: tuple = (), python: str | None = None) -> subprocess.Popen:
         return subprocess.Popen(
@@ -185,7 +308,13 @@ class HostAgent:
         self.children[child.popen.pid] = child
 
     def _end_incarnations(self, identity: str) -> None:
-        """Kill and reap every live process of ``identity``: never two incarnations of one rank."""
+        """Kill and reap every live process of ``identity``: never two incarnations of one rank
+        (a fork of it not answered yet is killed when its reply comes)."""
+        for server in self.servers.values():
+            for request in server.pending_tags():
+                if request.spec is not None and request.spec["identity"] == identity:
+                    request.cancelled = True
+            server.held = [s for s in server.held if s["identity"] != identity]
         for pid, child in list(self.children.items()):
             if child.identity != identity:
                 continue
@@ -220,24 +349,31 @@ class HostAgent:
                         pass
             return
         self.pools[mesh] = SparePool(mesh, spec["count"], list(spec.get("preload", [])), spec["base_env"],
-                                     spec["proc_env"], spec.get("cwd"))
+                                     spec["proc_env"], spec.get("cwd"), spec.get("python"))
         self._refill(mesh)
 
     def _spares(self, mesh: str) -> list[ChildProc]:
         return [c for c in self.children.values() if c.identity is None and c.mesh == mesh]
 
-    def _refill(self, mesh: str) -> None:
+    def _refill(self, mesh: str, *, fresh: bool = False) -> None:
+        """Start spares until ``mesh``'s pool is full: forked from its fork server when there is
+        one (``fresh``: not, because the server just failed), else as fresh interpreters."""
         pool = self.pools.get(mesh)
         if pool is None:
             return
-        while len(self._spares(mesh)) < pool.count and pool.quick_deaths < SPARE_MAX_QUICK_DEATHS:
-            proc_env = self._host_env(ProcEnv.from_json({**pool.proc_env, "rank": -1}))
-            env = dict(pool.base_env) if pool.base_env is not None else dict(os.environ)
-            env.update(proc_env.to_env())
-            env["PYTHONUNBUFFERED"] = "1"
+        server = None if fresh else self._server(pool.python, pool.cwd, pool.preload, pool.base_env, pool.proc_env)
+        if server is not None and server.state == ServerState.STARTING:
+            return  # refilled when it is ready
+        forking = sum(1 for s in self.servers.values() for r in s.pending_tags() if r.spec is None and r.mesh == mesh)
+        while len(self._spares(mesh)) + forking < pool.count and pool.quick_deaths < SPARE_MAX_QUICK_DEATHS:
+            env = self._proc_environ(pool.base_env, self._host_env(ProcEnv.from_json(spare_proc_env(pool.proc_env))))
+            if server is not None and server.fork(env, pool.cwd, ForkRequest(mesh)):
+                forking += 1
+                continue
             ready_r, ready_w = os.pipe()
             try:
-                popen = self._popen(["--spare", str(ready_w), *pool.preload], env, pool.cwd, pass_fds=(ready_w,))
+                popen = self._popen(["--spare", str(ready_w), *pool.preload], env, pool.cwd, pass_fds=(ready_w,),
+                                    python=pool.python)
             except OSError as exc:
                 log.warning("could not start a spare for %s: %s", mesh, exc)
                 os.close(ready_r)
@@ -263,16 +399,21 @@ class HostAgent:
             child.ready = True
             self._report_spares(child.mesh)
 
-    def _assign(self, spare: ChildProc, spec: dict) -> bool:
-        """Hand ``spec`` to ``spare``: it becomes the rank's proc. False if it could not take it."""
+    def _assign(self, child: ChildProc, spec: dict, *, spare: bool = True) -> bool:
+        """Hand ``spec`` to ``child`` (a warm spare, or a proc just forked for it): it becomes
+        the rank's proc, with the rank's environment as this host sees it (device visibility
+        included). False if it could not take it."""
+        env = self._host_env(ProcEnv.from_json(spec["env"])).to_json()
         try:
-            spare.popen.stdin.write(json.dumps(spec).encode() + b"\n")
-            spare.popen.stdin.close()
+            child.popen.stdin.write(json.dumps({**spec, "env": env}).encode() + b"\n")
+            child.popen.stdin.close()
         except (BrokenPipeError, OSError):
             return False
-        spare.identity, spare.rank = spec["identity"], spec["rank"]
-        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": spare.identity, "pid": spare.popen.pid, "spare": True})
-        self._report_spares(spare.mesh)
+        child.identity, child.rank = spec["identity"], spec["rank"]
+        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": child.identity, "pid": child.popen.pid,
+                                       **({"spare": True} if spare else {})})
+        if spare:
+            self._report_spares(child.mesh)
         return True
 
     def _report_spares(self, mesh: str) -> None:
@@ -342,6 +483,15 @@ class HostAgent:
             child = self.children.get(pid)
             if child is not None:
                 self._forget(pid, child, report=True, status=os.waitstatus_to_exitcode(status))
+                continue
+            server = next((s for s in self.servers.values() if s.pid == pid), None)
+            if server is not None:
+                server.popen.returncode = os.waitstatus_to_exitcode(status)
+                if server.state != ServerState.DEAD:
+                    log.warning("fork server %d exited (%s): procs start as fresh interpreters", pid, server.popen.returncode)
+                    self._close_server(server)
+            elif any(s.pending_tags() for s in self.servers.values()):  # a forked proc, its reply not read yet
+                self._unclaimed_exits[pid] = os.waitstatus_to_exitcode(status)
 
     def _forget(self, pid: int, child: ChildProc, *, report: bool, status: int) -> None:
         """``child`` exited with ``status``: forward its last output, then report the exit."""
@@ -420,6 +570,11 @@ class HostAgent:
         if code != AgentExit.SHUTDOWN:  # the host is lost now, for this reason (its procs' exits follow)
             self.channel.send(CONTROLLER, {"kind": Kind.AGENT_EXITING, "why": why or code.why})
         self.pools.clear()
+        for server in self.servers.values():
+            try:
+                server.popen.kill()
+            except OSError:
+                pass
         for pid in list(self.children):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -18,12 +18,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Sequence
 
 from ..actor.shape import Extent
 from ..supervision.records import proc_identity
 from .protocol import AgentEnv, ProcEnv
 
-__all__ = ["LocalAgent", "proc_specs", "package_root", "RUN_DIR_PREFIX", "sweep_stale_run_dirs"]
+__all__ = ["LocalAgent", "proc_specs", "spare_proc_env", "package_root", "RUN_DIR_PREFIX", "sweep_stale_run_dirs"]
 
 #: Temporary folders of a controller or host agent: ``<tmp>/monarch_nb-<pid>-...``.
 RUN_DIR_PREFIX = "monarch_nb-"
@@ -80,6 +81,7 @@ def proc_specs(
     master: tuple[str, int],
     python: str = "",
     threads: dict[str, int] | None = None,
+    preload: Sequence[str] = (),
 ) -> list[dict]:
     """The start specs of every proc of mesh ``mesh``, in rank order.
 
@@ -97,10 +99,13 @@ def proc_specs(
         threads: host -> CPU threads per proc (``MONARCH_NB_CPU_THREADS``, and ``OMP_NUM_THREADS``
             unless the controller's environment sets it, as torchrun does): the cores of the
             host's machine shared among this mesh's procs on it.
+        preload: modules every proc of the mesh imports (torch, the trainer): its host agent
+            forks the procs from a server that imported them once.
 
     Returns:
         One dict per proc: ``{"identity", "rank", "host", "env" (ProcEnv as JSON), "base_env"
-        (the controller's environment now, or None), "cwd"}``.
+        (the controller's environment now, or None), "cwd", "preload"}`` (``preload``: the
+        modules its host agent's fork server imports, see :mod:`.forkserver`; ``[]`` for none).
     """
     world = extent.nelements
     per_host = world // max(1, len(hosts))
@@ -135,9 +140,20 @@ def proc_specs(
             "env": env.to_json(),
             "base_env": base_env if where["base_env"] else None,
             "cwd": os.getcwd() if where["base_env"] else None,
+            "preload": list(preload),
             **({"python": python} if python else {}),
         })
     return specs
+
+
+def spare_proc_env(proc_env: dict) -> dict:
+    """The part of a proc's :class:`ProcEnv` (as JSON) that every proc of its mesh on its host
+    shares: what a warm spare or a fork server imports with, before it takes a rank. The CPU
+    thread budget is kept (OpenMP reads it when torch is imported); ``rank`` is -1."""
+    shared = {k: v for k, v in proc_env.items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
+    shared["extra"] = {k: v for k, v in proc_env["extra"].items() if k in ("OMP_NUM_THREADS", "MONARCH_NB_CPU_THREADS")}
+    shared["rank"] = -1
+    return shared
 
 
 def _thread_env(threads: int | None) -> dict[str, str]:

@@ -24,7 +24,7 @@ from ..errors import SupervisionError
 from .hosts import AttachError
 from ..supervision.policy import SupervisionPolicy
 from ..supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
-from .launch import proc_specs
+from .launch import proc_specs, spare_proc_env
 from .protocol import Kind
 from .rendezvous import LazyStore
 
@@ -67,7 +67,7 @@ class ProcMeshes:
         store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
         specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
                            master=(store.host, store.port), python=python,
-                           threads=self._cpu_threads(names, extent.nelements // max(1, len(names))))
+                           threads=self._cpu_threads(names, extent.nelements // max(1, len(names))), preload=preload)
         cores = _cores()
         local = sum(1 for s in specs if ctrl._hosts.is_local(s["host"]))
         if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
@@ -238,11 +238,8 @@ class ProcMeshes:
 
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
-        shared = {k: v for k, v in spec["env"].items() if k not in ("rank", "local_rank", "group_rank", "coords", "extra")}
-        # a spare imports torch before it takes a rank: its CPU thread budget must be set already
-        shared["extra"] = {k: v for k, v in spec["env"]["extra"].items() if k in ("OMP_NUM_THREADS", "MONARCH_NB_CPU_THREADS")}
         body = {"mesh": mesh, "count": count, "preload": list(preload), "base_env": spec.get("base_env"),
-                "proc_env": shared, "cwd": spec.get("cwd")}
+                "proc_env": spare_proc_env(spec["env"]), "cwd": spec.get("cwd"), "python": spec.get("python")}
         self.ctrl.channel.send(host, {"kind": Kind.KEEP_SPARES}, json.dumps(body).encode())
 
     def stop(self, mesh: str, timeout_s: float | None = None) -> None:
