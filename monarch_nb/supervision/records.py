@@ -13,9 +13,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..transport.wire import route_id
+
+if TYPE_CHECKING:
+    from .policy import Failure, SupervisionPolicy
 
 __all__ = [
     "ProcState",
@@ -89,23 +92,23 @@ class ProcRecord:
     identity: str
     mesh: str
     rank: int
-    coords: dict
+    coords: dict[str, int]
     host: str
-    spec: dict
+    spec: dict[str, Any]
     state: ProcState = ProcState.STARTING
     pid: int = 0
     restarts: int = 0
     last_heartbeat: float = 0.0
-    busy: dict = field(default_factory=dict)
-    output_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
-    exit_info: dict | None = None
+    busy: dict[str, list[Any]] = field(default_factory=dict)
+    output_tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
+    exit_info: dict[str, Any] | None = None
     fenced: bool = False
-    loading: list = field(default_factory=list)
+    loading: list[str] = field(default_factory=list)
     restart_kill_pid: int = 0
-    paused: list = field(default_factory=list)
+    paused: list[dict[str, Any]] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
-    failure: Any = None
+    failure: Failure | None = None
     os_stopped: bool = False
     restart_lock: threading.Lock = field(default_factory=threading.Lock)
     on_spare: bool = False
@@ -135,7 +138,7 @@ class ActorSpawn:
     name: str
     cls: type
     body: bytes
-    buffers: list
+    buffers: list[memoryview]
     ranks: list[int]
 
 
@@ -148,7 +151,7 @@ class ProcMeshRecord:
     procs: list[str]
     actors: list[ActorSpawn] = field(default_factory=list)
     stopped: bool = False
-    supervision: Any = None  # monarch_nb.supervision.policy.SupervisionPolicy
+    supervision: SupervisionPolicy | None = None
     rendezvous_round: int = 0  # bumped at every membership change (torchrun's restart count)
     replica_group_size: int = 1  # ranks per replica group of a sharded training run (1: none)
 
@@ -177,6 +180,6 @@ class HostRecord:
     started_at: float = field(default_factory=time.monotonic)
     last_heartbeat: float = 0.0
     load: float = 0.0
-    spares: dict = field(default_factory=dict)
+    spares: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     address: str = ""
-    detail: dict = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
