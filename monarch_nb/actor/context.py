@@ -81,7 +81,7 @@ class Instance:
             raise RuntimeError("the client cannot abort itself; raise an exception instead")
         self._abort(reason)
 
-    def __reduce__(self):  # travels as plain data (e.g. a creator returned from an endpoint)
+    def __reduce__(self) -> tuple[Any, ...]:  # travels as plain data (e.g. a creator returned from an endpoint)
         return Instance, (self.name, self.mesh_id, self.rank, self.class_name, self.creator,
                           self.proc_mesh_name, self.proc_rank, self.proc_extent, self._display, self.python)
 
