@@ -34,9 +34,6 @@ class Target:
 class Backend(Protocol):
     """What an actor mesh asks of the runtime. Proc meshes are named by name, actor meshes by id."""
 
-    #: routing identity of this process (the owner of the ports it opens)
-    identity: str
-
     def send(
         self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         extent: "Extent | None", want_reply: bool = True, stream: bool = False, port: Any = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .shape import Extent, Point
 
@@ -54,7 +54,7 @@ class Instance:
         self.pid = os.getpid()
         self.python = python
         self._display = display
-        self._abort = None  # set by the runtime: abort(reason)
+        self._abort: Callable[[str | None], None] | None = None  # set by the runtime: abort(reason)
 
     @property
     def actor_id(self) -> str:

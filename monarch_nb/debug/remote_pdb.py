@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .postmortem import is_runtime_frame
 
 if TYPE_CHECKING:
+    from ..runtime.protocol import CallHeader
     from .worker import DebugAgent
     from .postmortem import Failure
 
@@ -216,7 +217,7 @@ class Session:
         self.interrupted = False  # an interrupt (the notebook's stop button) arrived while paused
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._out = io.StringIO()
-        self._pending: dict | None = None  # the request header awaiting pdb's next prompt
+        self._pending: CallHeader | None = None  # the request header awaiting pdb's next prompt
         self._attaching = False
         self._announce = False  # tell the controller at the first prompt (pdb knows the frame then)
         self._lock = threading.Lock()
@@ -289,7 +290,7 @@ class Session:
             self.agent.reply(header, {"session": self.id, "output": "", "prompt": "", "state": "ended"})
 
     # -- requests, from the proc's IO thread ------------------------------------------------------
-    def post(self, op: str, payload: Any, header: dict) -> bool:
+    def post(self, op: str, payload: Any, header: CallHeader) -> bool:
         """Queue an ``"attach"`` or a ``"line"`` for the session; False if it has ended."""
         with self._lock:
             if self.state == "ended":

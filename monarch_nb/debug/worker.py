@@ -34,7 +34,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..runtime.protocol import Kind
+from ..runtime.protocol import CallHeader, HeartbeatFields, Kind
 from ..transport.serialization import loads
 from . import stacks
 from .postmortem import FailureStore, frame_dict
@@ -129,7 +129,7 @@ class DebugAgent:
             self._sessions.pop(session.id, None)
         self.notify()
 
-    def reply(self, header: dict, value: Any) -> None:
+    def reply(self, header: CallHeader, value: Any) -> None:
         self.proc.reply(header, True, value)
 
     def banner(self, session: Session) -> list[str]:
@@ -185,7 +185,7 @@ class DebugAgent:
         }
 
     # -- requests (IO thread) --------------------------------------------------------------------
-    def on_message(self, header: dict, body: Any, buffers: list) -> None:
+    def on_message(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle one ``debug`` message (on the proc's IO thread; never blocks)."""
         try:
             request = loads(body, buffers) if body else {}
@@ -214,7 +214,7 @@ class DebugAgent:
         with self._lock:
             return self._sessions.get(session_id)
 
-    def _attach(self, header: dict, request: dict) -> None:
+    def _attach(self, header: CallHeader, request: dict[str, Any]) -> None:
         install_sources(request.get("sources") or {})
         session = None
         if request.get("session") is not None:
@@ -314,7 +314,7 @@ def install(proc: "Proc") -> None:
     proc.register(Kind.DEBUG, agent.on_message)
     proc.add_failure_hook(agent.record_failure)
 
-    def paused() -> dict:
+    def paused() -> HeartbeatFields:
         sessions = agent.paused()  # breakpoint sessions: paused, not hung
         return {"paused": sessions} if sessions else {}
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..config import config
 from ..errors import SupervisionError
 from ..supervision.records import ProcRecord, ProcState
-from .protocol import Kind
+from .protocol import HelloHeader, HeartbeatHeader, Kind, PeerHeader, ProcExitedHeader
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -31,11 +31,11 @@ log = logging.getLogger(__name__)
 class Liveness:
     """Tracks the procs of ``controller``: their hellos, heartbeats, exits and hangs."""
 
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: "Controller") -> None:
         self.ctrl = controller
 
     # -- messages (IO thread) -------------------------------------------------------------------
-    def on_hello(self, rec: ProcRecord, header: dict) -> None:
+    def on_hello(self, rec: ProcRecord, header: HelloHeader) -> None:
         rec.pid = header["pid"]
         rec.last_heartbeat = time.monotonic()
         rec.exit_info = None
@@ -50,7 +50,7 @@ class Liveness:
             self.ctrl.record_event("proc_started", rec, detail=f"pid {rec.pid}")
             rec.ready.set()
 
-    def on_heartbeat(self, rec: ProcRecord, header: dict) -> None:
+    def on_heartbeat(self, rec: ProcRecord, header: HeartbeatHeader) -> None:
         ctrl = self.ctrl
         rec.last_heartbeat = time.monotonic()
         rec.busy = header.get("busy", {})
@@ -70,7 +70,7 @@ class Liveness:
             self._tell_recovered(rec, include_starting=False)
             ctrl.record_event("proc_resumed", rec, detail="heartbeats resumed", cause="heartbeat")
 
-    def on_exit(self, rec: ProcRecord, header: dict) -> None:
+    def on_exit(self, rec: ProcRecord, header: ProcExitedHeader) -> None:
         ctrl = self.ctrl
         ctrl.flush_output(rec)
         if rec.state == ProcState.FAILED and rec.failure is not None and rec.failure.cause == "host_lost":
@@ -158,7 +158,8 @@ class Liveness:
         ctrl.messenger.proc_failed(rec.identity, error)
         note = json.dumps({"rank": rec.rank, "cause": cause, "detail": detail, "signal": signame}).encode()
         for other in self._peers(rec, include_starting=False):
-            ctrl.channel.send(other.identity, {"kind": Kind.PROC_FAILED, "proc": rec.identity}, note)
+            failed: PeerHeader = {"kind": Kind.PROC_FAILED, "proc": rec.identity}
+            ctrl.channel.send(other.identity, failed, note)
         ctrl.proc_meshes.new_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
         ctrl.supervisor.on_failure(rec, cause, detail, signame, handle=supervise)
 
@@ -169,7 +170,8 @@ class Liveness:
     def _tell_recovered(self, rec: ProcRecord, include_starting: bool) -> None:
         self.ctrl.messenger.proc_recovered(rec.identity)
         for other in self._peers(rec, include_starting):
-            self.ctrl.channel.send(other.identity, {"kind": Kind.PROC_RECOVERED, "proc": rec.identity})
+            recovered: PeerHeader = {"kind": Kind.PROC_RECOVERED, "proc": rec.identity}
+            self.ctrl.channel.send(other.identity, recovered)
 
     def _respawn_actors(self, rec: ProcRecord) -> None:
         """A restarted proc said hello: construct its actors again, then it serves."""

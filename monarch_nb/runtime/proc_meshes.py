@@ -25,7 +25,7 @@ from .hosts import AttachError
 from ..supervision.policy import SupervisionPolicy
 from ..supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
 from .launch import proc_specs, spare_proc_env
-from .protocol import Kind
+from .protocol import Kind, RendezvousHeader
 from .rendezvous import LazyStore
 
 if TYPE_CHECKING:
@@ -231,10 +231,10 @@ class ProcMeshes:
             for rec in recs:
                 rec.spec["env"]["extra"].update(MASTER_PORT=str(store.port),
                                                 TORCHELASTIC_RESTART_COUNT=str(record.rendezvous_round))
-        header = {"kind": Kind.RENDEZVOUS, "addr": store.host, "port": store.port, "round": record.rendezvous_round}
+        header: RendezvousHeader = {"kind": Kind.RENDEZVOUS, "addr": store.host, "port": store.port, "round": record.rendezvous_round}
         for rec in recs:
             if rec.alive and rec.state != ProcState.RESTARTING:
-                ctrl.channel.send(rec.identity, dict(header))
+                ctrl.channel.send(rec.identity, header.copy())
 
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
