@@ -51,7 +51,8 @@ class RemotePdb(pdb.Pdb):
     """pdb whose input and output are a :class:`Session`."""
 
     def __init__(self, session: "Session"):
-        super().__init__(stdin=session, stdout=session, skip=SKIP_MODULES, nosigint=True, readrc=False)
+        # a Session reads and writes like a text file (readline, write, flush): all pdb uses of one
+        super().__init__(stdin=session, stdout=session, skip=SKIP_MODULES, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.session = session
         self.prompt = "(Pdb) "
 
@@ -131,7 +132,9 @@ class RemotePdb(pdb.Pdb):
         Start an interactive console in the current frame's namespace (globals and locals);
         type exit() to return to pdb.
         """
-        namespace = {**self.curframe.f_globals, **self.curframe_locals}
+        frame = self.curframe
+        assert frame is not None  # a command runs at a frame
+        namespace = {**frame.f_globals, **self.curframe_locals}
         _Console(self.session, namespace).interact(
             banner="*interactive* (exit() returns to pdb)", exitmsg="*back in pdb*"
         )
@@ -169,7 +172,7 @@ class _Console(code.InteractiveConsole):
 
     def runcode(self, code_obj) -> None:
         saved = sys.stdout, sys.stderr, sys.displayhook
-        sys.stdout = sys.stderr = self.session  # type: ignore[assignment]
+        sys.stdout = sys.stderr = self.session
         sys.displayhook = _displayhook_to(self.session)
         try:
             exec(code_obj, self.locals)

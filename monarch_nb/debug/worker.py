@@ -24,6 +24,7 @@ pdb answers are ``{"session", "output", "prompt", "state"}`` with state ``"promp
 
 from __future__ import annotations
 
+import bdb
 import itertools
 import linecache
 import logging
@@ -85,12 +86,12 @@ class DebugAgent:
         self._lock = threading.RLock()
         self.stack_fd = stacks.install_faulthandler()
         sys.breakpointhook = self.breakpoint_hook
-        pdb.set_trace = self._set_trace  # type: ignore[assignment]
+        pdb.set_trace = self._set_trace
 
     # -- hooks called by the runtime and by user code --------------------------------------------
     def record_failure(self, actor: str, endpoint: str, exc: BaseException) -> None:
         """An endpoint of ``actor`` raised ``exc`` (actor thread): keep it for post-mortem."""
-        if isinstance(exc, pdb.bdb.BdbQuit):
+        if isinstance(exc, bdb.BdbQuit):
             return
         try:
             self.failures.record(actor, endpoint, exc)
@@ -262,12 +263,13 @@ class DebugAgent:
             owner = session.failure if session.failure is not None else session
             return frame_dict(owner, frame)  # type: ignore[arg-type]
         failure = self.failures.get()
-        if failure is None or failure.innermost_frame() is None:
+        innermost = failure.innermost_frame() if failure is not None else None
+        if failure is None or innermost is None:
             raise LookupError(
                 f"rank {self.proc.rank} has no failed frame to run in: no endpoint raised here "
                 f"(kept failures: {len(self.failures)}) and no breakpoint is paused"
             )
-        return frame_dict(failure, failure.innermost_frame())
+        return frame_dict(failure, innermost)
 
 
 def install_sources(sources: dict) -> None:
