@@ -42,8 +42,7 @@ class Liveness:
         rec.fenced = False
         rec.failure = None
         rec.started_at = rec.last_heartbeat
-        restarting = rec.state == ProcState.RESTARTING
-        rec.state = ProcState.HEALTHY
+        restarting = rec.move(ProcState.HEALTHY, "hello") == ProcState.RESTARTING
         if restarting:
             self._respawn_actors(rec)
         else:
@@ -63,9 +62,9 @@ class Liveness:
                 ctrl.emit_lines(rec, "stderr", [f"paused at breakpoint() in {where}: %mesh debug attaches"])
         rec.paused = paused
         if rec.serving:
-            rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY
+            rec.move(ProcState.BUSY if rec.busy else ProcState.HEALTHY, "heartbeat")
         elif rec.state == ProcState.HUNG and not rec.fenced:  # it was only slow (fencing off): serving again
-            rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY
+            rec.move(ProcState.BUSY if rec.busy else ProcState.HEALTHY, "heartbeats resumed")
             rec.failure = None
             self._tell_recovered(rec, include_starting=False)
             ctrl.record_event("proc_resumed", rec, detail="heartbeats resumed", cause="heartbeat")
@@ -80,7 +79,7 @@ class Liveness:
         rec.busy = {}
         rec.paused = []
         if rec.state == ProcState.STOPPING:
-            rec.state = ProcState.STOPPED
+            rec.move(ProcState.STOPPED, "exit")
             ctrl.record_event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")
             return
         if rec.state == ProcState.RESTARTING and header.get("pid") == rec.restart_kill_pid:  # a restart killed it
@@ -94,8 +93,7 @@ class Liveness:
         else:
             cause = f"exit {header['returncode']}"
         detail = header.get("detail") or (f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
-        starting = rec.state == ProcState.STARTING
-        rec.state = ProcState.FAILED
+        starting = rec.move(ProcState.FAILED, "exit") == ProcState.STARTING
         ctrl.record_event("proc_exited", rec, detail=detail, cause=cause)
         self.fail_proc(rec, cause, detail, signame, supervise=not starting)
 
@@ -123,7 +121,7 @@ class Liveness:
             if rec.host in silent_hosts:
                 continue  # its whole host is silent: a lost host (decided by the host check), not a hang
             if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):
-                rec.state = ProcState.HUNG
+                rec.move(ProcState.HUNG, "no heartbeat")
                 silent = now - rec.last_heartbeat
                 ctrl.record_event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
                 self.fail_proc(rec, "hung", f"no heartbeat for {silent:.2f} s", None)
@@ -139,7 +137,7 @@ class Liveness:
             if rec.host != host or rec.state in (ProcState.FAILED, ProcState.STOPPED):
                 continue
             stopping, starting = rec.state == ProcState.STOPPING, rec.state == ProcState.STARTING
-            rec.state = ProcState.STOPPED if stopping else ProcState.FAILED
+            rec.move(ProcState.STOPPED if stopping else ProcState.FAILED, "host lost")
             rec.exit_info = {"returncode": None, "signal": None, "host_lost": True}
             rec.busy, rec.paused = {}, []
             if stopping:
@@ -181,7 +179,7 @@ class Liveness:
         def finish() -> None:
             failed = [e for e in (f.exception() for f in futures) if e is not None]
             if failed:
-                rec.state = ProcState.FAILED
+                rec.move(ProcState.FAILED, "actor respawn failed")
                 ctrl.record_event("proc_exited", rec, detail=f"actor respawn failed: {failed[0]}", cause="respawn")
                 rec.ready.set()
                 return
