@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..actor.failure import MeshFailure
 from ..actor.shape import Extent
 from ..transport.serialization import SerializationError, dumps, loads
-from .actors import STOP_GRACE_S, ActorRunner, error_info
 from ..transport.wire import Header
+from .actors import STOP_GRACE_S, ActorRunner, error_info
 from .protocol import ActorErrorHeader, ActorFailedHeader, CallHeader, Kind, PortHeader, ReplyHeader
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRe
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
-from ..transport.wire import Signer, route_id
+from ..transport.wire import Header, Signer, route_id
 from .actor_host import ActorHost
 from .actor_meshes import LOCAL_PROC, ActorMeshes
 from .hosts import Hosts
@@ -46,7 +46,6 @@ from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
 from .output import LineAssembler, OutputLine, deliver, print_output
-from ..transport.wire import Header
 from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHeader, AgentHeartbeatHeader, AgentHelloHeader,
                        CallHeader, FaultFiredHeader, FaultHeader, Handler, InterruptHeader, Kind, LogLevelHeader, OutputHeader,
                        ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)

@@ -53,10 +53,9 @@ from .. import device
 from ..transport import shm
 from ..transport.channel import Channel
 from ..transport.keys import load_trust
-from ..transport.wire import Signer
+from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
-from ..transport.wire import Header
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader)
 

@@ -45,13 +45,12 @@ from ..actor.shape import Extent
 from ..errors import SupervisionError
 from ..transport.channel import Channel
 from ..transport.keys import load_trust
-from ..transport.wire import Signer, route_id
+from ..transport.wire import Header, Signer, route_id
 from . import import_grace
 from .actor_host import ActorHost
 from .actors import ActorRunner
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
-from ..transport.wire import Header
 from .protocol import (CONTROLLER, CallHeader, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
                        LogLevelHeader, PeerHeader, ProcEnv, RendezvousHeader)
 
