@@ -214,11 +214,12 @@ class Hosts:
         controller_ip = "127.0.0.1" if is_loopback(address) else interface_for(worker_ip)[0]
         endpoint = self._endpoint_for(controller_ip, trust)
         nonce, sealed = seal(trust.hmac_key, ctrl.signer.key)
-        header: AttachHeader = {"kind": Kind.ATTACH, "src": CONTROLLER, "dst": name, "seq": 1, "controller": endpoint,
-                  "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
-                  "heartbeat_interval_s": config.heartbeat_interval_s, "hang_timeout_s": config.hang_timeout_s,
-                  "controller_timeout_s": controller_timeout_s(), "controller_host": socket.gethostname(),
-                  "controller_pid": os.getpid()}
+        header: AttachHeader = {
+            "kind": Kind.ATTACH, "src": CONTROLLER, "dst": name, "seq": 1, "controller": endpoint,
+            "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
+            "heartbeat_interval_s": config.heartbeat_interval_s, "hang_timeout_s": config.hang_timeout_s,
+            "controller_timeout_s": controller_timeout_s(), "controller_host": socket.gethostname(),
+            "controller_pid": os.getpid()}
         with self._lock:
             record = self.records.get(name)
             if record is None:
