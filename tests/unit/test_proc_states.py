@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -66,18 +67,27 @@ def test_the_table_covers_every_state_and_its_racy_moves():
     assert all(S.FAILED in MOVES[old] and S.HEALTHY in MOVES[old] for old in ProcState if old is not S.PAUSED)
 
 
+_ASSIGNS_STATE = re.compile(r"\.state\s*(,[^=\n]*)?=(?!=)")  # ``x.state = ...``, ``x.state, y = ...``
+
+
 def _assigns_proc_state(node: ast.AST) -> bool:
-    return isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "state" for t in node.targets) and any(
+    """``x.state = <something of ProcState>`` (also inside a tuple of targets)."""
+    return isinstance(node, ast.Assign) and any(
+        isinstance(x, ast.Attribute) and x.attr == "state" for t in node.targets for x in ast.walk(t)) and any(
         isinstance(n, ast.Name) and n.id == "ProcState" for n in ast.walk(node.value))
 
 
 def test_only_move_changes_a_procs_state():
+    for sample in ("rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY", "rec.state, n = ProcState.FAILED, 1"):
+        assert _ASSIGNS_STATE.search(sample) and _assigns_proc_state(ast.parse(sample).body[0])  # what the scan finds
     root = pathlib.Path(monarch_nb.__file__).parent
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel in ("supervision/records.py", "runtime/hosts.py"):  # move itself; host agents' records
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
-        found += [f"{rel}:{n.lineno}" for n in ast.walk(tree) if _assigns_proc_state(n)]
+        text = path.read_text()
+        if "ProcState" not in text or not _ASSIGNS_STATE.search(text):  # parse only candidates: fast
+            continue
+        found += [f"{rel}:{n.lineno}" for n in ast.walk(ast.parse(text, filename=str(path))) if _assigns_proc_state(n)]
     assert found == [], f"assign a proc's state with ProcRecord.move: {found}"
