@@ -19,6 +19,7 @@ test: setup
 	bash scripts/install-gpu-compilers.sh
 	bash scripts/install-test-daemons.sh
 	$(VENV)/bin/ruff check
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 bench: setup

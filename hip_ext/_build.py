@@ -93,7 +93,7 @@ def _build(verbose: bool) -> list[str]:
     if missing is not None:
         log.warning("hip_ext: %s; grad_health and checksum use the pure-torch reference", missing)
         return []
-    attempts = [(CPU_SOURCES, ["CPU"])]
+    attempts: list[tuple[tuple[str, ...], list[str]]] = [(CPU_SOURCES, ["CPU"])]
     gpu_missing = _gpu_toolchain()
     if gpu_missing is None:
         attempts.insert(0, (CPU_SOURCES + GPU_SOURCES, ["CPU", "CUDA"]))

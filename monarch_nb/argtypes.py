@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable, TypeVar
 
 __all__ = ["positive_int", "nonneg_int", "positive_float"]
 
 
-def _number(text: str, kind: type, what: str, ok) -> int | float:
+N = TypeVar("N", int, float)
+
+
+def _number(text: str, kind: Callable[[str], N], what: str, ok: Callable[[N], bool]) -> N:
     try:
         value = kind(text)
     except ValueError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Config", "config", "configure"]
 
@@ -37,7 +38,7 @@ class Config:
 
     @classmethod
     def from_env(cls) -> "Config":
-        values = {}
+        values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = os.environ.get(f"MONARCH_NB_{f.name.upper()}")
             if raw is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import linecache
 import os
 import traceback
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 __all__ = [
     "MonarchError",
@@ -48,7 +48,7 @@ def _safe_str(value: object) -> str:
 
 def _safe_frames(tb) -> list:
     try:
-        frames = [[f.filename, f.lineno, f.name, f.line or None] for f in traceback.extract_tb(tb)]
+        frames: list[list[Any]] = [[f.filename, f.lineno, f.name, f.line or None] for f in traceback.extract_tb(tb)]
     except BaseException:  # noqa: BLE001 - a broken loader or linecache entry
         return []
     while len(frames) > 1 and frames[0][0].startswith(_RUNTIME_DIRS):  # runtime frames above the user's code
@@ -120,9 +120,10 @@ def format_ranks(ranks: "Iterable[int]") -> str:
     """Ranks as compact ranges: ``[0, 1, 2, 3, 5]`` -> ``"0-3,5"`` (sorted, duplicates dropped)."""
     ranks = sorted(set(ranks))
     spans: list[str] = []
-    start = prev = None
-    for r in ranks + [None]:
-        if start is not None and (r is None or r != prev + 1):
+    start: int | None = None
+    prev: int | None = None
+    for r in [*ranks, None]:
+        if start is not None and prev is not None and (r is None or r != prev + 1):  # (prev is set with start)
             spans.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = None
         if r is not None and start is None:

@@ -28,26 +28,24 @@ class Target:
 
     proc: str
     rank: int
-    coords: dict
+    coords: dict[str, int]
 
 
 class Backend(Protocol):
     """What an actor mesh asks of the runtime. Proc meshes are named by name, actor meshes by id."""
 
-    #: routing identity of this process (the owner of the ports it opens)
-    identity: str
-
     def send(
-        self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
+        self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         extent: "Extent | None", want_reply: bool = True, stream: bool = False, port: Any = None,
-        message_extent: "Extent | None" = None, as_endpoint: bool = False,
-    ) -> "Future | list[Future] | None":
+        message_extent: "tuple[Extent, list[int]] | None" = None, as_endpoint: bool = False, display: str | None = None,
+    ) -> "Future[Any] | list[Future[Any]] | None":
         """Send ``actor.endpoint(*args, **kwargs)`` to each target; a Future of the result (a
         ValueMesh over ``extent``, or one value when ``extent`` is None), a list of Futures in
         arrival order when ``stream``, None when no reply is wanted (or the replies go to
-        ``port``). ``message_extent``: the slice's extent, when the targets are a slice of the
-        mesh the actors were spawned on (their ``current_rank()``). Raises SerializationError if
-        an argument cannot be pickled."""
+        ``port``). ``message_extent``: the slice's extent and the targets' indices in it, when the
+        targets are a slice of the mesh the actors were spawned on (their ``current_rank()``).
+        ``display``: how failure texts name the actor mesh. Raises SerializationError if an
+        argument cannot be pickled."""
 
     def failure_of(self, proc: str) -> "SupervisionError | None":
         """The failure of proc ``proc`` as callers see it, or None while it serves."""
@@ -70,14 +68,14 @@ class Backend(Protocol):
         """Forget attached hosts (their job ended): their agents are told to stop, no re-attach."""
 
     def spawn_actors(
-        self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict, spawn_extent: "Extent"
+        self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], spawn_extent: "Extent"
     ) -> str:
         """Start constructing ``cls(*args, **kwargs)`` on proc ranks ``ranks`` of ``mesh`` (laid
         out over ``spawn_extent``) and return the new actor mesh's id at once; the caller owns it.
         A constructor that raises fails the actor (a MeshFailure to the owner).
         Raises MeshStoppedError if the proc mesh was stopped."""
 
-    def actor_initialized(self, actor_id: str) -> "Future":
+    def actor_initialized(self, actor_id: str) -> "Future[None]":
         """A Future that completes when every rank of actor mesh ``actor_id`` is constructed
         (ActorError if a constructor raised, SupervisionError if a proc failed)."""
 
@@ -89,7 +87,7 @@ class Backend(Protocol):
         """Stop every proc of ``mesh`` (idempotent), running their actors' ``__cleanup__`` and the
         procs' interpreter finalizers."""
 
-    def get_or_spawn_controller(self, name: str, cls: type, args: tuple, kwargs: dict) -> "Future":
+    def get_or_spawn_controller(self, name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Future[Any]":
         """A Future of the one actor mesh called ``name`` on the client's proc (spawned on first use)."""
 
     def set_log_level(self, mesh: str, level: int) -> None:
@@ -107,10 +105,10 @@ class Backend(Protocol):
     def supervise(self, mesh: str, policy: "SupervisionPolicy") -> "SupervisionPolicy":
         """Make ``policy`` the supervision policy of ``mesh``."""
 
-    def tree(self, mesh: str | None, ranks: "set[int] | None") -> dict:
+    def tree(self, mesh: str | None, ranks: "set[int] | None") -> dict[str, Any]:
         """The supervision tree as plain data (see :mod:`monarch_nb.supervision.tree`)."""
 
-    def inject(self, mesh: str, rank: int, kind: str, params: dict) -> Any:
+    def inject(self, mesh: str, rank: int, kind: str, params: dict[str, Any]) -> Any:
         """Make fault ``kind`` happen on rank ``rank`` of ``mesh``."""
 
     def interrupt(self, mesh: str, rank: int, actor: str) -> None:

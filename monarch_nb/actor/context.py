@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .shape import Extent, Point
 
@@ -54,7 +54,7 @@ class Instance:
         self.pid = os.getpid()
         self.python = python
         self._display = display
-        self._abort = None  # set by the runtime: abort(reason)
+        self._abort: Callable[[str | None], None] | None = None  # set by the runtime: abort(reason)
 
     @property
     def actor_id(self) -> str:
@@ -81,7 +81,7 @@ class Instance:
             raise RuntimeError("the client cannot abort itself; raise an exception instead")
         self._abort(reason)
 
-    def __reduce__(self):  # travels as plain data (e.g. a creator returned from an endpoint)
+    def __reduce__(self) -> tuple[Any, ...]:  # travels as plain data (e.g. a creator returned from an endpoint)
         return Instance, (self.name, self.mesh_id, self.rank, self.class_name, self.creator,
                           self.proc_mesh_name, self.proc_rank, self.proc_extent, self._display, self.python)
 

@@ -74,7 +74,7 @@ class EndpointProperty(Generic[P, R]):
     """
 
     def __init__(self, fn: Callable[..., R], *, explicit_response_port: bool = False, concurrent: bool = False,
-                 propagate: Any = None):
+                 propagate: Any = None) -> None:
         self.fn = fn
         self.name = fn.__name__
         self.owner: type | None = None
@@ -82,7 +82,8 @@ class EndpointProperty(Generic[P, R]):
         self.explicit_response_port = explicit_response_port
         self.concurrent = concurrent
         self.propagate = propagate
-        functools.update_wrapper(self, fn)
+        # the method's name, doc and __wrapped__ on the descriptor; typeshed wants a callable wrapper
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -109,7 +110,7 @@ class EndpointProperty(Generic[P, R]):
         return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and \
             len(self.signature.parameters) >= self._fixed
 
-    def check_arguments(self, owner: str, args: tuple, kwargs: dict) -> None:
+    def check_arguments(self, owner: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError naming the endpoint if ``(args, kwargs)`` do not fit its signature."""
         if not args and not kwargs and self._takes_nothing_more:
             return
@@ -140,7 +141,7 @@ def endpoint(fn: Callable[..., Any] | None = None, *, propagate: Any = None, exp
             value is dropped, and an exception it raises fails the actor.
         propagate, instrument: accepted for Monarch compatibility; no effect.
     """
-    def wrap(f: Callable[..., Any]) -> EndpointProperty:
+    def wrap(f: Callable[..., Any]) -> EndpointProperty[..., Any]:
         if isinstance(f, EndpointProperty):
             return f
         return EndpointProperty(f, explicit_response_port=explicit_response_port, propagate=propagate)
@@ -157,7 +158,7 @@ def concurrent_endpoint(fn: Callable[..., Any] | None = None, *, propagate: Any 
     Raises:
         ValueError: the method is not ``async def``, or is already an ``@endpoint``.
     """
-    def wrap(f: Callable[..., Any]) -> EndpointProperty:
+    def wrap(f: Callable[..., Any]) -> EndpointProperty[..., Any]:
         if isinstance(f, EndpointProperty):
             raise ValueError("concurrent_endpoint does not wrap @endpoint; pass endpoint options to @concurrent_endpoint")
         if not inspect.iscoroutinefunction(f):
@@ -167,9 +168,9 @@ def concurrent_endpoint(fn: Callable[..., Any] | None = None, *, propagate: Any 
     return wrap if fn is None else wrap(fn)
 
 
-def endpoints_of(cls: type) -> dict[str, EndpointProperty]:
+def endpoints_of(cls: type) -> dict[str, EndpointProperty[..., Any]]:
     """The endpoints of an actor class, by name, including inherited ones."""
-    found: dict[str, EndpointProperty] = {}
+    found: dict[str, EndpointProperty[..., Any]] = {}
     for klass in reversed(cls.__mro__):
         for name, value in vars(klass).items():
             if isinstance(value, EndpointProperty):
@@ -193,7 +194,8 @@ def check_actor_class(cls: type) -> None:
     Raises:
         ValueError: the message lists the sync and the async members.
     """
-    sync, asynchronous = [], []
+    sync: list[str] = []
+    asynchronous: list[str] = []
     for name, prop in endpoints_of(cls).items():
         (asynchronous if prop.is_async or prop.concurrent else sync).append(name)
     if sync and asynchronous:
@@ -221,16 +223,16 @@ def is_async_actor(cls: type) -> bool:
 class Endpoint(Generic[P, R]):
     """An endpoint of an actor mesh; choose how to call it with an adverb."""
 
-    def __init__(self, mesh: "ActorMesh", prop: EndpointProperty, as_endpoint: bool = False):
+    def __init__(self, mesh: "ActorMesh[Any]", prop: EndpointProperty[P, R], as_endpoint: bool = False) -> None:
         self._mesh = mesh
         self._prop = prop
         self._as_endpoint = as_endpoint
         self.name = prop.name
 
-    def _check(self, args: tuple, kwargs: dict) -> None:
+    def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._prop.check_arguments(self._mesh._cls.__name__, args, kwargs)
 
-    def _send(self, args: tuple, kwargs: dict, **how: Any) -> Any:
+    def _send(self, args: tuple[Any, ...], kwargs: dict[str, Any], **how: Any) -> Any:
         return self._mesh._send(self.name, args, kwargs, as_endpoint=self._as_endpoint, **how)
 
     def call(self, /, *args: P.args, **kwargs: P.kwargs) -> "Future[ValueMesh[R]]":
@@ -240,7 +242,8 @@ class Endpoint(Generic[P, R]):
         its proc) failed; the first by rank, with the others' ActorErrors in ``.others``.
         """
         self._check(args, kwargs)
-        return self._send(args, kwargs, targets=None, single=False)
+        future: Future[ValueMesh[R]] = self._send(args, kwargs, targets=None, single=False)
+        return future
 
     def call_one(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call the only member of a mesh of size 1.
@@ -255,13 +258,15 @@ class Endpoint(Generic[P, R]):
                 f"(dims {dict(self._mesh.extent)}); slice it first, e.g. .slice(**{{...: 0}}), or use call()"
             )
         self._check(args, kwargs)
-        return self._send(args, kwargs, targets=None, single=True)
+        future: Future[R] = self._send(args, kwargs, targets=None, single=True)
+        return future
 
     def choose(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call one member, picked at random among the live ones (load balancing)."""
         self._check(args, kwargs)
         index = random.choice(self._mesh._live_indices())
-        return self._send(args, kwargs, targets=[index], single=True)
+        future: Future[R] = self._send(args, kwargs, targets=[index], single=True)
+        return future
 
     def broadcast(self, /, *args: P.args, **kwargs: P.kwargs) -> None:
         """Send to every member without waiting for replies. FIFO per sender, like every call.
@@ -289,7 +294,7 @@ class Endpoint(Generic[P, R]):
 class NotAnEndpoint:
     """``mesh.method`` for a method not marked ``@endpoint``: wrap it with :func:`as_endpoint`."""
 
-    def __init__(self, mesh: "ActorMesh", name: str, fn: Callable[..., Any]):
+    def __init__(self, mesh: "ActorMesh[Any]", name: str, fn: Callable[..., Any]) -> None:
         self._mesh = mesh
         self._name = name
         self._fn = fn
@@ -306,7 +311,7 @@ class NotAnEndpoint:
         raise AttributeError(attr)
 
 
-def as_endpoint(not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint:
+def as_endpoint(not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint[..., Any]:
     """Call a method of a spawned actor that is not marked ``@endpoint``:
     ``as_endpoint(mesh.method).call(...)``.
 
@@ -315,12 +320,14 @@ def as_endpoint(not_an_endpoint: Any, *, propagate: Any = None, explicit_respons
     """
     if not isinstance(not_an_endpoint, NotAnEndpoint):
         raise ValueError("expected an method of a spawned actor")
-    prop = EndpointProperty(not_an_endpoint._fn, explicit_response_port=explicit_response_port, propagate=propagate)
+    prop: EndpointProperty[..., Any] = EndpointProperty(not_an_endpoint._fn, explicit_response_port=explicit_response_port,
+                                                        propagate=propagate)
     prop.name = not_an_endpoint._name
     return Endpoint(not_an_endpoint._mesh, prop, as_endpoint=True)
 
 
-def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: "Port | None" = None, selection: str = "all") -> None:
+def send(endpoint: Endpoint[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], port: "Port[Any] | None" = None,
+         selection: str = "all") -> None:
     """Low-level send of ``endpoint(*args, **kwargs)``.
 
     Args:
@@ -349,31 +356,32 @@ class Accumulator(Generic[P, R, A]):
     the last reply needed, so it should be quick.
     """
 
-    def __init__(self, endpoint: Endpoint, identity: A, combine: Callable[[A, R], A]):
+    def __init__(self, endpoint: Endpoint[P, R], identity: A, combine: Callable[[A, R], A]) -> None:
         self._endpoint = endpoint
         self._identity = identity
         self._combine = combine
 
-    def accumulate(self, /, *args: Any, **kwargs: Any) -> Future[A]:
+    def accumulate(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[A]:
         futures = list(self._endpoint.stream(*args, **kwargs))
-        result: Future = Future()
+        result: Future[A] = Future()
         if not futures:
             result._inner.set_result(self._identity)
             return result
-        state = {"value": self._identity, "left": len(futures)}
+        value, left = self._identity, len(futures)
 
-        def fold(fut: Future) -> None:
+        def fold(fut: Future[R]) -> None:
+            nonlocal value, left
             if result.done():
                 return
             try:
-                state["value"] = self._combine(state["value"], fut.get())
+                value = self._combine(value, fut.get())
             except BaseException as exc:  # noqa: BLE001 - the reply's error or combine's
                 if not result.done():
                     result._inner.set_exception(exc)
                 return
-            state["left"] -= 1
-            if state["left"] == 0:
-                result._inner.set_result(state["value"])
+            left -= 1
+            if left == 0:
+                result._inner.set_result(value)
 
         # the n-th stream Future resolves n-th, so chaining keeps the fold in arrival order
         for fut in futures:

@@ -73,7 +73,7 @@ class MeshFailure:
 
 
 # -- the client's hook ----------------------------------------------------------------------------
-def _kernel():
+def _kernel() -> Any:
     """The running IPython kernel, or None (a script, a plain IPython terminal)."""
     ipykernel = sys.modules.get("ipykernel.kernelapp")
     if ipykernel is None:
@@ -82,7 +82,7 @@ def _kernel():
     return getattr(app, "kernel", None)
 
 
-_last_cell: dict = {}  # the parent header of the notebook cell that last spawned or called
+_last_cell: dict[str, Any] = {}  # the parent header of the notebook cell that last spawned or called
 
 
 def _print_in_last_cell(text: str) -> bool:
@@ -101,7 +101,7 @@ def _print_in_last_cell(text: str) -> bool:
     return True
 
 
-_last_printed: list = [None, 0.0]  # (mesh, reason) of the failure printed last, and when
+_last_printed: list[Any] = [None, 0.0]  # (mesh, reason) of the failure printed last, and when
 
 
 def default_unhandled_fault_hook(failure: MeshFailure) -> None:

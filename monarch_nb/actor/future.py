@@ -10,7 +10,7 @@ explicit act: :meth:`Future.cancel`.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, TypeVar
 
 if TYPE_CHECKING:
     import asyncio
@@ -33,15 +33,15 @@ class Future(Generic[R]):
 
     __slots__ = ("_inner", "_on_cancel", "_lead")
 
-    def __init__(self, inner: concurrent.futures.Future | None = None, on_cancel: Callable[[], None] | None = None,
-                 lead: Callable[..., bool] | None = None):
-        self._inner = inner if inner is not None else concurrent.futures.Future()
+    def __init__(self, inner: concurrent.futures.Future[R] | None = None, on_cancel: Callable[[], None] | None = None,
+                 lead: Callable[..., bool] | None = None) -> None:
+        self._inner: concurrent.futures.Future[R] = inner if inner is not None else concurrent.futures.Future()
         self._on_cancel = on_cancel
         self._lead = lead
 
     @classmethod
-    def completed(cls, value: Any = None, error: BaseException | None = None) -> "Future":
-        fut = cls()
+    def completed(cls, value: Any = None, error: BaseException | None = None) -> "Future[Any]":
+        fut: Future[Any] = cls()
         if error is not None:
             fut._inner.set_exception(error)
         else:
@@ -106,17 +106,17 @@ class Future(Generic[R]):
     def cancelled(self) -> bool:
         return self._inner.cancelled()
 
-    def add_done_callback(self, fn: Callable[["Future"], None]) -> None:
+    def add_done_callback(self, fn: Callable[["Future[R]"], None]) -> None:
         """Call ``fn(self)`` when done (at once if done; else on the thread that completes it)."""
         self._inner.add_done_callback(lambda _inner: fn(self))
 
-    def as_asyncio(self) -> "asyncio.Future":
+    def as_asyncio(self) -> "asyncio.Future[R]":
         """An asyncio Future on the running loop that completes with this one."""
         import asyncio  # only where awaited: `import monarch_nb` stays light
 
         return asyncio.wrap_future(self._inner)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, R]:
         return self.as_asyncio().__await__()
 
     def __repr__(self) -> str:

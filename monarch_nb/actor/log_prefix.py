@@ -49,9 +49,9 @@ def install_log_prefix() -> None:
         handler.addFilter(_FILTER)
     original = logging.Logger.addHandler
 
-    def add_handler(self: logging.Logger, handler: logging.Handler) -> None:
-        if _FILTER not in handler.filters:
-            handler.addFilter(_FILTER)
-        original(self, handler)
+    def add_handler(self: logging.Logger, hdlr: logging.Handler) -> None:
+        if _FILTER not in hdlr.filters:
+            hdlr.addFilter(_FILTER)
+        original(self, hdlr)
 
-    logging.Logger.addHandler = add_handler  # type: ignore[method-assign]
+    logging.Logger.addHandler = add_handler  # type: ignore[method-assign]  # on purpose: later handlers get the filter too

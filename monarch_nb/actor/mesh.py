@@ -24,6 +24,8 @@ from .future import Future
 from .shape import Extent, Shape
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
     from .ports import Port
 
 __all__ = ["MeshBase", "HostMesh", "ProcMesh", "ActorMesh", "proc_identity"]
@@ -65,7 +67,7 @@ class MeshBase:
             total *= self.extent[name]
         return total
 
-    def slice(self, **selection: int | slice):
+    def slice(self, **selection: int | slice) -> Self:
         """The sub-mesh at ``selection``: an int index drops that dim, a ``slice`` keeps it.
 
         Raises:
@@ -73,11 +75,11 @@ class MeshBase:
         """
         return self._with_shape(self._shape.slice(**selection))
 
-    def flatten(self, name: str):
+    def flatten(self, name: str) -> Self:
         """The same members along one dim called ``name``."""
         return self._with_shape(self._shape.flatten(name))
 
-    def _with_shape(self, shape: Shape):
+    def _with_shape(self, shape: Shape) -> Self:
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -87,7 +89,7 @@ class MeshBase:
 class HostMesh(MeshBase):
     """Hosts that can run procs. ``this_host()`` is the local one."""
 
-    def __init__(self, hosts: list[str], shape: Shape | None = None, python: str = ""):
+    def __init__(self, hosts: list[str], shape: Shape | None = None, python: str = "") -> None:
         self._hosts = hosts
         self._shape = shape or (Shape(Extent({"hosts": len(hosts)})) if len(hosts) > 1 else Shape(Extent({})))
         self._python = python
@@ -162,7 +164,7 @@ class HostMesh(MeshBase):
 class ProcMesh(MeshBase):
     """Worker processes with named dims. ``async with`` (or ``with``) stops them on exit."""
 
-    def __init__(self, name: str, root: Extent, shape: Shape | None = None):
+    def __init__(self, name: str, root: Extent, shape: Shape | None = None) -> None:
         self._name = name
         self._root = root
         self._shape = shape or Shape(root)
@@ -175,9 +177,10 @@ class ProcMesh(MeshBase):
         return self._name
 
     @property
-    def initialized(self) -> Future:
+    def initialized(self) -> Future[bool]:
         """A Future of True: the procs serve (``spawn_procs`` returns once they do)."""
-        return Future.completed(True)
+        done: Future[bool] = Future.completed(True)
+        return done
 
     @property
     def host_mesh(self) -> HostMesh:
@@ -276,7 +279,7 @@ class ProcMesh(MeshBase):
     def supervise(
         self, policy: str = "escalate", *, max_restarts: int = 3, backoff_s: float = 0.5,
         backoff_max_s: float = 30.0, owner: Any = None,
-    ):
+    ) -> SupervisionPolicy:
         """Set how failures of this mesh's procs are handled (the whole mesh, also from a slice).
 
         Args:
@@ -303,7 +306,7 @@ class ProcMesh(MeshBase):
         chosen = SupervisionPolicy(policy, max_restarts, backoff_s, backoff_max_s, owner)
         return backend.current().supervise(self._name, chosen)
 
-    def tree(self) -> dict:
+    def tree(self) -> dict[str, Any]:
         """The supervision tree of this mesh's procs (this slice's) and their actors, as plain data:
         the root is the controller, then host agents, procs and actors. See
         :mod:`monarch_nb.supervision.tree` for the keys (state, pid, rank, coords, restarts,
@@ -343,7 +346,7 @@ class ActorMesh(MeshBase, Generic[A]):
     """
 
     def __init__(self, name: str, cls: type, proc_mesh: str, root: Extent, shape: Shape, *,
-                 actor_id: str | None = None, spawn_shape: Shape | None = None):
+                 actor_id: str | None = None, spawn_shape: Shape | None = None) -> None:
         self._name = name
         self._id = actor_id or name
         self._cls = cls
@@ -376,7 +379,7 @@ class ActorMesh(MeshBase, Generic[A]):
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(self._endpoints))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return _rebuild_actor_mesh, (self._name, self._cls, self._proc_mesh, self._root, self._shape, self._id, self._spawn)
 
     @property
@@ -415,8 +418,8 @@ class ActorMesh(MeshBase, Generic[A]):
         return live or list(range(len(self._shape)))
 
     def _send(
-        self, endpoint: str, args: tuple, kwargs: dict, *, targets: list[int] | None, single: bool,
-        want_reply: bool = True, stream: bool = False, port: "Port | None" = None, as_endpoint: bool = False,
+        self, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, targets: list[int] | None, single: bool,
+        want_reply: bool = True, stream: bool = False, port: "Port[Any] | None" = None, as_endpoint: bool = False,
     ) -> Any:
         runtime = backend.current()
         if runtime.mesh_stopped(self._proc_mesh):
@@ -439,5 +442,6 @@ class ActorMesh(MeshBase, Generic[A]):
         return f"<ActorMesh {self._name}: {self._cls.__name__} {dict(self.extent)} on {self._proc_mesh}>"
 
 
-def _rebuild_actor_mesh(name, cls, proc_mesh, root, shape, actor_id, spawn_shape) -> ActorMesh:
+def _rebuild_actor_mesh(name: str, cls: type, proc_mesh: str, root: Extent, shape: Shape, actor_id: str,
+                        spawn_shape: Shape) -> ActorMesh[Any]:
     return ActorMesh(name, cls, proc_mesh, root, shape, actor_id=actor_id, spawn_shape=spawn_shape)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Generic, Iterable, TypeVar
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from ..errors import SupervisionError
 from . import backend
@@ -33,10 +33,11 @@ class collect_pickled_ports:
     """``with collect_pickled_ports() as ports:`` lists the Ports pickled on this thread meanwhile
     (the runtime learns which procs a port was handed to)."""
 
-    def __enter__(self) -> list:
+    def __enter__(self) -> list[Port[Any]]:
         self.saved = getattr(_collect, "ports", None)
-        _collect.ports = []
-        return _collect.ports
+        ports: list[Port[Any]] = []
+        _collect.ports = ports
+        return ports
 
     def __exit__(self, *exc: Any) -> None:
         _collect.ports = self.saved
@@ -51,7 +52,7 @@ class Port(Generic[R]):
         once: the port takes one value.
     """
 
-    def __init__(self, owner: str, port_id: str, once: bool = False, rank: int | None = None):
+    def __init__(self, owner: str, port_id: str, once: bool = False, rank: int | None = None) -> None:
         self.owner = owner
         self.port_id = port_id
         self.once = once
@@ -83,7 +84,7 @@ class Port(Generic[R]):
     def return_undeliverable(self) -> bool:
         return True
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         ports = getattr(_collect, "ports", None)
         if ports is not None:
             ports.append(self)
@@ -96,15 +97,15 @@ class Port(Generic[R]):
 class PortReceiver(Generic[R]):
     """The receiving end: ``recv()`` is a Future of the next value, in arrival order."""
 
-    def __init__(self, once: bool = False):
+    def __init__(self, once: bool = False) -> None:
         self.once = once
         self._lock = threading.Lock()
-        self._items: collections.deque = collections.deque()  # (ok, value, rank)
-        self._waiters: collections.deque = collections.deque()  # Futures
+        self._items: collections.deque[tuple[bool, Any, int | None]] = collections.deque()  # (ok, value, rank)
+        self._waiters: collections.deque[Future[R]] = collections.deque()
         self._holders: set[str] = set()
         self._orphaned: SupervisionError | None = None
         self.port_id = ""
-        self._lead = None  # the runtime's lead(): a recv() waits by receiving on its own thread
+        self._lead: Callable[..., bool] | None = None  # the runtime's lead(): a recv() waits by receiving on its own thread
 
     def recv(self) -> "Future[R]":
         """A Future of the next value (raises what ``port.exception`` sent, or SupervisionError
@@ -114,11 +115,11 @@ class PortReceiver(Generic[R]):
                 return self._finish(Future(), *self._items.popleft())
             if self._orphaned is not None:
                 return Future.completed(error=self._orphaned)
-            fut: Future = Future(lead=self._lead)
+            fut: Future[R] = Future(lead=self._lead)
             self._waiters.append(fut)
             return fut
 
-    def _finish(self, fut: Future, ok: bool, value: Any, rank: int | None) -> Future:
+    def _finish(self, fut: Future[R], ok: bool, value: Any, rank: int | None) -> Future[R]:
         value = self._shape(value, rank) if ok else value
         if ok:
             fut._inner.set_result(value)
@@ -168,7 +169,7 @@ class RankedPortReceiver(PortReceiver[R]):
                              "port.send() carry none; use Channel.open() for those")
         return rank, value
 
-    def _finish(self, fut: Future, ok: bool, value: Any, rank: int | None) -> Future:
+    def _finish(self, fut: Future[R], ok: bool, value: Any, rank: int | None) -> Future[R]:
         if ok:
             try:
                 value = self._shape(value, rank)
@@ -194,7 +195,10 @@ class Channel(Generic[R]):
         return _open(RankedPortReceiver(once))
 
 
-def _open(receiver: PortReceiver) -> tuple:
+_Receiver = TypeVar("_Receiver", bound=PortReceiver[Any])
+
+
+def _open(receiver: _Receiver) -> tuple[Port[Any], _Receiver]:
     owner, port_id = backend.current().open_port(receiver)
     receiver.port_id = port_id
     return Port(owner, port_id, receiver.once), receiver

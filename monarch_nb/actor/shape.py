@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["Extent", "Point", "Shape"]
 
 
-class Extent(Mapping):
+class Extent(Mapping[str, int]):
     """An ordered mapping of dim name -> size, e.g. ``Extent({"hosts": 2, "gpus": 4})``."""
 
     __slots__ = ("_dims",)
@@ -66,11 +66,11 @@ class Extent(Mapping):
     def __repr__(self) -> str:
         return f"Extent({self._dims})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return Extent, (self._dims,)
 
 
-class Point(Mapping):
+class Point(Mapping[str, int]):
     """A coordinate in an extent: a mapping dim -> index, with ``.rank`` the flat row-major rank.
 
     ``mesh.slice(**point)`` selects the member at this point.
@@ -109,7 +109,7 @@ class Point(Mapping):
     def __hash__(self) -> int:
         return hash((tuple(self._coords.items()), self.rank))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return Point, (self._coords, self.rank, self.extent)
 
 

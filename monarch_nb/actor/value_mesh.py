@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 from .shape import Extent, Point, Shape
 
@@ -91,7 +91,7 @@ class ValueMesh(Generic[R]):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ValueMesh) and dict(self.extent) == dict(other.extent) and self._values == other._values
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return ValueMesh, (self.extent, self._values)
 
     def __repr__(self) -> str:

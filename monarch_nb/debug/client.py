@@ -107,7 +107,7 @@ def debug_targets(mesh: "ProcMesh | str | None" = None, *, include_all_meshes: b
     asked = []
     for name in names:
         for rec in requests.mesh_records(name):
-            base = dict(mesh=name, rank=rec.rank, coords=dict(rec.coords), pid=rec.pid)
+            base: dict[str, Any] = dict(mesh=name, rank=rec.rank, coords=dict(rec.coords), pid=rec.pid)
             if rec.state in (ProcState.FAILED, ProcState.STOPPED) or not rec.alive:
                 if rec.state == ProcState.FAILED:
                     targets.append(DebugTarget(kind="dead", detail=requests.dead_reason(rec), **base))

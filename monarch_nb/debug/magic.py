@@ -214,8 +214,8 @@ def _dispatch(argv: list[str], mesh: str, options: dict, read: Callable[[str], s
         return False
     if head == "clear":
         world = len(requests.mesh_records(mesh))
-        ranks = parse_ranks(argv[1], world) if len(argv) > 1 else None
-        cleared = client.clear_failures(mesh, ranks)
+        which = parse_ranks(argv[1], world) if len(argv) > 1 else None
+        cleared = client.clear_failures(mesh, which)
         _say(", ".join(f"rank {r}: {n} failure(s) dropped" for r, n in cleared.items()) or "nothing to clear")
         return True
     if head == "stack":

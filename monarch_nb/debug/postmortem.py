@@ -111,7 +111,7 @@ def user_traceback(tb: TracebackType | None) -> TracebackType | None:
     if start is None:
         return tb
     last_user = None
-    entry = start
+    entry: TracebackType | None = start
     while entry is not None:
         if not _is_debugger_frame(entry.tb_frame):
             last_user = entry

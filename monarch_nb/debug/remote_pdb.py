@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .postmortem import is_runtime_frame
 
 if TYPE_CHECKING:
+    from ..runtime.protocol import CallHeader
     from .worker import DebugAgent
     from .postmortem import Failure
 
@@ -50,7 +51,8 @@ class RemotePdb(pdb.Pdb):
     """pdb whose input and output are a :class:`Session`."""
 
     def __init__(self, session: "Session"):
-        super().__init__(stdin=session, stdout=session, skip=SKIP_MODULES, nosigint=True, readrc=False)
+        # a Session reads and writes like a text file (readline, write, flush): all pdb uses of one
+        super().__init__(stdin=session, stdout=session, skip=SKIP_MODULES, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.session = session
         self.prompt = "(Pdb) "
 
@@ -130,7 +132,9 @@ class RemotePdb(pdb.Pdb):
         Start an interactive console in the current frame's namespace (globals and locals);
         type exit() to return to pdb.
         """
-        namespace = {**self.curframe.f_globals, **self.curframe_locals}
+        frame = self.curframe
+        assert frame is not None  # a command runs at a frame
+        namespace = {**frame.f_globals, **self.curframe_locals}
         _Console(self.session, namespace).interact(
             banner="*interactive* (exit() returns to pdb)", exitmsg="*back in pdb*"
         )
@@ -168,7 +172,7 @@ class _Console(code.InteractiveConsole):
 
     def runcode(self, code_obj) -> None:
         saved = sys.stdout, sys.stderr, sys.displayhook
-        sys.stdout = sys.stderr = self.session  # type: ignore[assignment]
+        sys.stdout = sys.stderr = self.session
         sys.displayhook = _displayhook_to(self.session)
         try:
             exec(code_obj, self.locals)
@@ -216,7 +220,7 @@ class Session:
         self.interrupted = False  # an interrupt (the notebook's stop button) arrived while paused
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._out = io.StringIO()
-        self._pending: dict | None = None  # the request header awaiting pdb's next prompt
+        self._pending: CallHeader | None = None  # the request header awaiting pdb's next prompt
         self._attaching = False
         self._announce = False  # tell the controller at the first prompt (pdb knows the frame then)
         self._lock = threading.Lock()
@@ -289,7 +293,7 @@ class Session:
             self.agent.reply(header, {"session": self.id, "output": "", "prompt": "", "state": "ended"})
 
     # -- requests, from the proc's IO thread ------------------------------------------------------
-    def post(self, op: str, payload: Any, header: dict) -> bool:
+    def post(self, op: str, payload: Any, header: CallHeader) -> bool:
         """Queue an ``"attach"`` or a ``"line"`` for the session; False if it has ended."""
         with self._lock:
             if self.state == "ended":

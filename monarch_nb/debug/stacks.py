@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
@@ -99,7 +100,7 @@ def collect(agent: "DebugAgent | None" = None) -> dict:
             threads.append(entry)
             continue
         frames = []
-        frame = top
+        frame: FrameType | None = top
         while frame is not None:
             frames.append(frame)
             frame = frame.f_back

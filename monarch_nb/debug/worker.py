@@ -24,6 +24,7 @@ pdb answers are ``{"session", "output", "prompt", "state"}`` with state ``"promp
 
 from __future__ import annotations
 
+import bdb
 import itertools
 import linecache
 import logging
@@ -34,7 +35,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..runtime.protocol import Kind
+from ..runtime.protocol import CallHeader, HeartbeatFields, Kind
 from ..transport.serialization import loads
 from . import stacks
 from .postmortem import FailureStore, frame_dict
@@ -85,12 +86,12 @@ class DebugAgent:
         self._lock = threading.RLock()
         self.stack_fd = stacks.install_faulthandler()
         sys.breakpointhook = self.breakpoint_hook
-        pdb.set_trace = self._set_trace  # type: ignore[assignment]
+        pdb.set_trace = self._set_trace
 
     # -- hooks called by the runtime and by user code --------------------------------------------
     def record_failure(self, actor: str, endpoint: str, exc: BaseException) -> None:
         """An endpoint of ``actor`` raised ``exc`` (actor thread): keep it for post-mortem."""
-        if isinstance(exc, pdb.bdb.BdbQuit):
+        if isinstance(exc, bdb.BdbQuit):
             return
         try:
             self.failures.record(actor, endpoint, exc)
@@ -129,7 +130,7 @@ class DebugAgent:
             self._sessions.pop(session.id, None)
         self.notify()
 
-    def reply(self, header: dict, value: Any) -> None:
+    def reply(self, header: CallHeader, value: Any) -> None:
         self.proc.reply(header, True, value)
 
     def banner(self, session: Session) -> list[str]:
@@ -185,7 +186,7 @@ class DebugAgent:
         }
 
     # -- requests (IO thread) --------------------------------------------------------------------
-    def on_message(self, header: dict, body: Any, buffers: list) -> None:
+    def on_message(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle one ``debug`` message (on the proc's IO thread; never blocks)."""
         try:
             request = loads(body, buffers) if body else {}
@@ -214,7 +215,7 @@ class DebugAgent:
         with self._lock:
             return self._sessions.get(session_id)
 
-    def _attach(self, header: dict, request: dict) -> None:
+    def _attach(self, header: CallHeader, request: dict[str, Any]) -> None:
         install_sources(request.get("sources") or {})
         session = None
         if request.get("session") is not None:
@@ -262,12 +263,13 @@ class DebugAgent:
             owner = session.failure if session.failure is not None else session
             return frame_dict(owner, frame)  # type: ignore[arg-type]
         failure = self.failures.get()
-        if failure is None or failure.innermost_frame() is None:
+        innermost = failure.innermost_frame() if failure is not None else None
+        if failure is None or innermost is None:
             raise LookupError(
                 f"rank {self.proc.rank} has no failed frame to run in: no endpoint raised here "
                 f"(kept failures: {len(self.failures)}) and no breakpoint is paused"
             )
-        return frame_dict(failure, failure.innermost_frame())
+        return frame_dict(failure, innermost)
 
 
 def install_sources(sources: dict) -> None:
@@ -314,7 +316,7 @@ def install(proc: "Proc") -> None:
     proc.register(Kind.DEBUG, agent.on_message)
     proc.add_failure_hook(agent.record_failure)
 
-    def paused() -> dict:
+    def paused() -> HeartbeatFields:
         sessions = agent.paused()  # breakpoint sessions: paused, not hung
         return {"paused": sessions} if sessions else {}
 

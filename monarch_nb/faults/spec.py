@@ -84,7 +84,7 @@ def parse_fault(spec: "str | FaultSpec | dict", default_rank: int | None = None)
         raise ValueError(f"bad fault spec {spec!r}: step {match['step']!r} is not an integer") from None
     if step < 0:
         raise ValueError(f"bad fault spec {spec!r}: step must be >= 0")
-    params: dict = {}
+    params = {}
     rank = None
     phase = "step"
     items = [p.strip() for p in (match["params"] or "").split(",") if p.strip()]

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..device import loaded_torch
-from ..runtime.protocol import Kind
+from ..runtime.protocol import FaultFiredHeader, FaultHeader, Kind
 
 if TYPE_CHECKING:
     from ..runtime.proc import Proc
@@ -37,9 +37,10 @@ class ProcFaults:
 
     def fired(self, kind: str, detail: str) -> None:
         """Tell the controller an injected fault took effect (a ``fault_fired`` event)."""
-        self.proc.send_to_controller({"kind": Kind.FAULT_FIRED, "fault": kind, "detail": detail})
+        header: FaultFiredHeader = {"kind": Kind.FAULT_FIRED, "fault": kind, "detail": detail}
+        self.proc.send_to_controller(header)
 
-    def on_message(self, header: dict, body: Any, buffers: list) -> None:
+    def on_message(self, header: FaultHeader, body: Any, buffers: list[memoryview]) -> None:
         """A ``fault`` message (IO thread)."""
         self.apply(header["fault"], header.get("params", {}))
 

@@ -129,6 +129,7 @@ class Job(ABC):
             self.apply()
             if cached_path:
                 self.dump(cached_path)
+        assert self.running is not None  # apply() started it, or the cached job runs
         workers = self._workers(self.running, time.monotonic() + self.start_timeout_s)
         state = JobState({name: attach_to_workers(addresses, ca=self.ca) for name, addresses in workers.items()})
         self._attached = [h for name in state.names for h in getattr(state, name).host_names]
@@ -179,7 +180,8 @@ def job_load(path: str = DEFAULT_STATE_PATH) -> Job:
     from .ssh import SSHJob
 
     kinds = {cls.__name__: cls for cls in (LocalJob, SSHJob, SlurmJob)}
-    cls = kinds.get(data.get("kind"))
+    kind = data.get("kind")
+    cls = kinds.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"{path} is not a monarch_nb job state file (kind {data.get('kind')!r})")
     job = cls(**data["spec"])
@@ -250,14 +252,16 @@ def first_line(popen: subprocess.Popen, deadline: float) -> str:
     Raises:
         TimeoutError: nothing by ``deadline`` (``time.monotonic()``).
     """
+    stdout = popen.stdout
+    assert stdout is not None  # started with stdout=PIPE, text=True
     sel = selectors.DefaultSelector()
-    sel.register(popen.stdout, selectors.EVENT_READ)
+    sel.register(stdout, selectors.EVENT_READ)
     try:
         while time.monotonic() < deadline:
             if sel.select(0.1):
-                return popen.stdout.readline()
+                return stdout.readline()
             if popen.poll() is not None:
-                return popen.stdout.read() or f"(exited with {popen.returncode})"
+                return stdout.read() or f"(exited with {popen.returncode})"
     finally:
         sel.close()
     raise TimeoutError("a worker did not announce itself in time")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -40,9 +41,8 @@ class LocalJob(Job):
     def _start(self) -> dict:
         names = [(mesh, f"{mesh}{i}") for mesh, count in self.meshes.items() for i in range(count)]
         started, announced = start_announced(
-            [lambda name=name: subprocess.Popen(worker_argv(self.python, "tcp://127.0.0.1:0", name, self.ca),
-                                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                                start_new_session=True)
+            [functools.partial(subprocess.Popen, worker_argv(self.python, "tcp://127.0.0.1:0", name, self.ca),
+                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
              for _mesh, name in names],
             time.monotonic() + self.start_timeout_s)
         workers: dict[str, list[str]] = {mesh: [] for mesh in self.meshes}

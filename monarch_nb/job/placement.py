@@ -87,7 +87,11 @@ def resolve(hosts: str | None, job: str | None, ca: str | None, mesh: str | None
     controller = Controller.get()
     known = set(controller.hosts)
     try:
-        placement = _from_job(job, mesh) if job else _from_workers(parse_workers(hosts), ca)
+        if job:
+            placement = _from_job(job, mesh)
+        else:
+            assert hosts  # without --job and --hosts this machine was returned above
+            placement = _from_workers(parse_workers(hosts), ca)
     except PlacementError:  # forget what this call attached before it failed (a worker of several)
         controller.detach_hosts([name for name in controller.hosts if name not in known])
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
@@ -50,9 +51,9 @@ class SSHJob(Job):
 
     def _start(self) -> dict:
         started, announced = start_announced(
-            [lambda host=host: self._ssh(host, "exec " + shlex.join(worker_argv(self.python, f"tcp://{host}:{self.port}",
-                                                                                host, self.ca)),
-                                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+            [functools.partial(self._ssh, host, "exec " + shlex.join(worker_argv(self.python, f"tcp://{host}:{self.port}",
+                                                                                 host, self.ca)),
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
              for host in self.hosts],
             time.monotonic() + self.start_timeout_s)
         return {"workers": {self.mesh: [a["address"] for a in announced]}, "ssh_pids": [p.pid for p in started],

@@ -293,12 +293,12 @@ class CellRun:
 
     def _show_items(self, items: list) -> bool:
         buffered: list[str] = []
-        buffered_stream = None
+        buffered_stream: str | None = None
         live = self.output.live
 
         def flush_text() -> None:
             nonlocal buffered, buffered_stream
-            if buffered:
+            if buffered and buffered_stream is not None:  # (a buffered line has its stream)
                 self.output.stream(buffered_stream, "".join(buffered))
             buffered, buffered_stream = [], None
 

@@ -151,9 +151,9 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
     _esm = traitlets.Unicode(_ESM).tag(sync=True)
     _css = traitlets.Unicode(_CSS).tag(sync=True)
     progress = traitlets.Dict().tag(sync=True)
-    metrics = traitlets.List().tag(sync=True)
-    markers = traitlets.List().tag(sync=True)
-    timeline = traitlets.List().tag(sync=True)
+    metrics: traitlets.List[Any] = traitlets.List().tag(sync=True)
+    markers: traitlets.List[Any] = traitlets.List().tag(sync=True)
+    timeline: traitlets.List[Any] = traitlets.List().tag(sync=True)
     figures = traitlets.Dict().tag(sync=True)
     report = traitlets.Unicode("").tag(sync=True)
 
@@ -348,7 +348,7 @@ class TrainingDashboard(StaticFallback, anywidget.AnyWidget):
             metrics = _downsample(self._metrics, _MAX_POINTS)
             last = self._metrics[-1] if self._metrics else {}
             total = self.total_steps or (last.get("step", 0) if last else 0)
-            progress = {"step": last.get("step", 0) + (1 if last else 0) if last else 0, "total": total,
+            progress: dict[str, Any] = {"step": last.get("step", 0) + (1 if last else 0) if last else 0, "total": total,
                         "status": self._status, "loss": last.get("loss"), "accuracy": last.get("accuracy"),
                         "grad_norm": last.get("grad_norm"), "live_ranks": last.get("live_ranks"),
                         "stoppable": self.run is not None and self._status == "training"}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -38,6 +38,9 @@ from .fallback import freeze_all
 from .parsers import (SUBCOMMANDS, HelpShown, build_cell_parser, build_line_parser, fault_kinds, parse_fault_spec,
                       parse_params, split_line)
 from .ranks import RankSpecError, format_ranks
+
+if TYPE_CHECKING:
+    from ..faults.spec import FaultSpec
 
 __all__ = ["MeshMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -199,9 +202,11 @@ class MeshMagics(Magics):
             raise UsageError(f"%mesh {what}: {exc}") from None
 
     def _user_value(self, name: str, what: str) -> Any:
-        if name not in self.shell.user_ns:
+        shell = self.shell
+        assert shell is not None  # a magic runs in its shell
+        if name not in shell.user_ns:
             raise UsageError(f"%mesh {what} {name}: no variable {name!r} in this kernel")
-        return self.shell.user_ns[name]
+        return shell.user_ns[name]
 
     def _cmd_push(self, args: argparse.Namespace) -> None:
         sess = session_mod.current()
@@ -352,7 +357,7 @@ class MeshMagics(Magics):
         try:
             from .. import train as train_mod
 
-            start = train_mod.start  # type: ignore[attr-defined]
+            start = train_mod.start
         except (ImportError, AttributeError):
             raise UsageError("training is not available in this install (monarch_nb.train.start is missing)") from None
         from IPython.display import display
@@ -363,7 +368,7 @@ class MeshMagics(Magics):
         if previous is not None and not previous.wait(0):
             raise UsageError("a training run is already going; wait for it or stop it (`%mesh stop` stops it too)")
         procs = args.procs or 4
-        faults = [parse_fault_spec(f, procs) for f in args.fault]
+        faults: list[str | FaultSpec | dict[str, Any]] = [parse_fault_spec(f, procs) for f in args.fault]
         try:
             run = start(workload=args.workload, procs=procs, steps=args.steps, faults=faults, seed=args.seed)
         except (ValueError, FileNotFoundError) as exc:

@@ -97,7 +97,7 @@ class CellOutput:
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "set_thread_parent"):
                 stream.set_thread_parent(self.parent)
-        pub = getattr(self.shell, "display_pub", None)
+        pub: Any = getattr(self.shell, "display_pub", None)
         if hasattr(pub, "set_thread_parent"):
             pub.set_thread_parent(self.parent)
 

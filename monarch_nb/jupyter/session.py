@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 from ..actor.mesh import ProcMesh
 from . import values as values_mod
@@ -253,6 +253,12 @@ def set_training_run(run: Any, dashboard: Any) -> None:
     if _current is not None:
         _current.training = run
         _current.dashboard = dashboard
+
+
+@overload
+def current(required: Literal[True] = True) -> MeshSession: ...
+@overload
+def current(required: bool) -> MeshSession | None: ...
 
 
 def current(required: bool = True) -> MeshSession | None:

@@ -59,7 +59,9 @@ def grid_of(tree: dict) -> dict:
     "group", "cause", "host"}`` (``group``: its replica group in a sharded training run, else None;
     ``cause``: of its last failure, "" if none), in (mesh, rank) order.
     """
-    rows, counts, meshes = [], {}, []
+    rows: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    meshes: list[str] = []
     for host in tree.get("children", []):
         if host.get("kind") != "host":
             continue

@@ -80,9 +80,9 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
     layout = traitlets.Unicode("list").tag(sync=True)  # what is drawn: grid or list
     selected = traitlets.Unicode("").tag(sync=True)
     details = traitlets.Dict().tag(sync=True)
-    events = traitlets.List().tag(sync=True)
+    events: traitlets.List[Any] = traitlets.List().tag(sync=True)
     status = traitlets.Unicode("").tag(sync=True)
-    busy = traitlets.List().tag(sync=True)  # "mesh.rank" keys with an action in flight
+    busy: traitlets.List[Any] = traitlets.List().tag(sync=True)  # "mesh.rank" keys with an action in flight
 
     def __init__(self, mesh: str | None = None, max_hz: float = 10.0, controller: Any = None, view: str = "auto",
                  **kwargs: Any) -> None:
@@ -259,9 +259,9 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         self._refresh()
         return self.details
 
-    def click(self, action: str, rank: int, kind: str | None = None, mesh: str | None = None) -> threading.Thread:
+    def click(self, action: str, rank: int, kind: str | None = None, mesh: str | None = None) -> threading.Thread | None:
         """Do what a button click does (``action`` "fault" with ``kind``, or "restart"); returns
-        the worker thread that carries it out."""
+        the worker thread that carries it out (None for another action: nothing runs)."""
         if mesh is None:
             node = self.proc_node(rank)
             mesh = node["mesh"] if node else None
@@ -282,7 +282,8 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         return worker
 
     def _act(self, content: dict) -> None:
-        mesh, rank, action, kind = content.get("mesh"), content.get("rank"), content.get("action"), content.get("kind")
+        mesh, action, kind = content.get("mesh"), content.get("action"), content.get("kind")
+        rank: Any = content.get("rank")  # the frontend's int (int() below says so if it is not one)
         key = f"{mesh}.{rank}"
         if key in self._busy:
             return

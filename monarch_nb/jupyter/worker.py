@@ -87,7 +87,8 @@ class CellExecutor(Actor):
         self._lock = threading.Lock()
         self._user_thread: int | None = None
         self._interrupted = False
-        time.sleep = _interruptible_sleep  # only cell threads slice their sleeps; see the module doc
+        # only cell threads slice their sleeps; see the module doc (typeshed's sleep also takes SupportsIndex)
+        time.sleep = _interruptible_sleep  # type: ignore[assignment]
         display_worker.install()
 
     # -- interrupts (called on the proc's IO thread) ---------------------------------------------
@@ -217,7 +218,8 @@ class CellExecutor(Actor):
             self._predefine(namespace, tree)
             last = None
             if tree.body and isinstance(tree.body[-1], ast.Expr):
-                last = ast.Expression(tree.body.pop().value)
+                last = ast.Expression(tree.body[-1].value)
+                tree.body.pop()
             body = compile(tree, filename, "exec")
             last_code = compile(last, filename, "eval") if last is not None else None
         except BaseException as exc:

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..actor.failure import MeshFailure
 from ..actor.shape import Extent
 from ..transport.serialization import SerializationError, dumps, loads
+from ..transport.wire import Header
 from .actors import STOP_GRACE_S, ActorRunner, error_info
-from .protocol import Kind
+from .protocol import ActorErrorHeader, ActorFailedHeader, CallHeader, Kind, PortHeader, ReplyHeader
 
 if TYPE_CHECKING:
     from .messenger import Messenger
@@ -38,9 +39,9 @@ class ActorHost:
         python: the interpreter procs of this mesh were started with ("" for the default).
     """
 
-    def __init__(self, identity: str, mesh_name: str, rank: int, extent: Extent, send: Callable,
-                 messenger: "Messenger", to_controller: Callable[[dict, bytes], None], python: str = "",
-                 lead: Callable[..., bool] | None = None, wake: Callable[[], None] | None = None):
+    def __init__(self, identity: str, mesh_name: str, rank: int, extent: Extent, send: Callable[..., None],
+                 messenger: "Messenger", to_controller: Callable[[Header, bytes], None], python: str = "",
+                 lead: Callable[..., bool] | None = None, wake: Callable[[], None] | None = None) -> None:
         self.identity = identity
         self.mesh_name = mesh_name
         self.rank = rank
@@ -59,7 +60,7 @@ class ActorHost:
         self._lock = threading.Lock()
 
     # -- messages --------------------------------------------------------------------------------
-    def dispatch(self, header: dict, body: Any, buffers: list) -> None:
+    def dispatch(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
         """Route one actor message (spawn, call, stop_actors, supervise, port)."""
         kind = header["kind"]
         if kind == Kind.CALL:
@@ -75,7 +76,7 @@ class ActorHost:
         elif kind == Kind.SUPERVISE:
             self.on_supervise(header, body, buffers)
 
-    def on_spawn(self, header: dict, body: Any, buffers: list) -> None:
+    def on_spawn(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
         name = header["actor"]
         with self._lock:
             if name in self.runners:
@@ -85,7 +86,7 @@ class ActorHost:
             runner = self.runners[name] = ActorRunner(self, name, bool(header.get("async")))
         runner.post(("spawn", header, body, buffers))
 
-    def on_stop_actors(self, header: dict) -> None:
+    def on_stop_actors(self, header: CallHeader) -> None:
         runner = self.runners.get(header["actor"])
         if runner is None or runner.stopped:
             self.reply(header, True, None)
@@ -96,7 +97,7 @@ class ActorHost:
             return
         runner.stop(header)
 
-    def on_supervise(self, header: dict, body: Any, buffers: list) -> None:
+    def on_supervise(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
         runner = self.runners.get(header["actor"])
         try:
             failure = loads(body, buffers)
@@ -116,7 +117,7 @@ class ActorHost:
             self.reply(header, False, error_info(LookupError(f"no actor {header.get('actor')!r} on proc {self.identity}")))
 
     # -- replies (any thread) ----------------------------------------------------------------------
-    def reply(self, header: dict, ok: bool, value: Any) -> None:
+    def reply(self, header: CallHeader, ok: bool, value: Any) -> None:
         """Answer ``header``'s call (to its caller, or to the port it named); once per call."""
         if "_done" in header:
             return
@@ -132,18 +133,18 @@ class ActorHost:
             rank = header.get("mi", header.get("rank"))
             self.send_port(owner, port_id, ok, body, buffers, rank)
             return
-        reply = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok}
+        reply: ReplyHeader = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok}
         dst = header["reply_to"]
         if dst == self.messenger.identity:
             self.messenger.on_reply(reply, body, buffers)
         else:
             self._send(dst, reply, body, buffers)
 
-    def reply_failure(self, header: dict, info: dict) -> None:
+    def reply_failure(self, header: CallHeader, info: dict[str, Any]) -> None:
         self.reply(header, False, info)
 
-    def send_port(self, owner: str, port_id: str, ok: bool, body: bytes, buffers: list, rank: int | None) -> None:
-        header = {"kind": Kind.PORT, "port": port_id, "ok": ok}
+    def send_port(self, owner: str, port_id: str, ok: bool, body: bytes, buffers: list[memoryview], rank: int | None) -> None:
+        header: PortHeader = {"kind": Kind.PORT, "port": port_id, "ok": ok}
         if rank is not None:
             header["prank"] = rank
         if owner == self.messenger.route:
@@ -156,7 +157,7 @@ class ActorHost:
                 "report": f"The actor {name} and all its descendants have failed:\n  the actor was stopped"}
 
     # -- lifecycle -------------------------------------------------------------------------------------
-    def stopped(self, runner: ActorRunner, header: dict | None) -> None:
+    def stopped(self, runner: ActorRunner, header: CallHeader | None) -> None:
         """``runner`` finished stopping (its thread): answer the stop request."""
         with self._lock:
             if self.runners.get(runner.name) is runner:
@@ -171,7 +172,8 @@ class ActorHost:
         except SerializationError:
             log.exception("a failure could not be pickled")
             return
-        self._to_controller({"kind": Kind.ACTOR_FAILED, "actor": runner.name, "rank": failure.crashed_ranks[0]}, body)
+        header: ActorFailedHeader = {"kind": Kind.ACTOR_FAILED, "actor": runner.name, "rank": failure.crashed_ranks[0]}
+        self._to_controller(header, body)
 
     def endpoint_failed(self, actor: str, endpoint: str, exc: BaseException, info: dict) -> None:
         for hook in self.failure_hooks:
@@ -180,7 +182,8 @@ class ActorHost:
             except Exception:
                 log.exception("failure hook %r raised", hook)
         detail = f"{actor}.{endpoint}: {info.get('type')}: {info.get('message')}"
-        self._to_controller({"kind": Kind.ACTOR_ERROR, "actor": actor, "ep": endpoint, "detail": detail}, b"")
+        header: ActorErrorHeader = {"kind": Kind.ACTOR_ERROR, "actor": actor, "ep": endpoint, "detail": detail}
+        self._to_controller(header, b"")
 
     def stop_all(self, timeout_s: float = STOP_GRACE_S) -> None:
         """Stop every actor (their ``__cleanup__`` runs), waiting up to ``timeout_s`` in all."""

@@ -35,7 +35,7 @@ from ..supervision.events import Event
 from ..supervision.records import ActorSpawn, proc_identity
 from ..transport.serialization import SerializationError, dumps, loads
 from .actors import error_info
-from .protocol import Kind
+from .protocol import ActorFailedHeader, CallHeader, ControlHeader, Kind, ReplyHeader
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -174,12 +174,12 @@ class ActorMeshes:
             return Future.completed(mesh)
 
     # -- requests from actors in procs (``control`` messages) --------------------------------------
-    def on_control(self, header: dict, body: Any, buffers: list) -> None:
+    def on_control(self, header: ControlHeader, body: Any, buffers: list[memoryview]) -> None:
         """A request an actor made of the runtime (spawn, stop, ...): run it on a thread of its own
         (it may block, e.g. until procs start), then answer the asking actor."""
         threading.Thread(target=self._control, args=(header, body, buffers), name="monarch_nb-control", daemon=True).start()
 
-    def _control(self, header: dict, body: Any, buffers: list) -> None:
+    def _control(self, header: ControlHeader, body: Any, buffers: list[memoryview]) -> None:
         try:
             payload = loads(body, buffers)
             owner = tuple(payload["owner"]) if payload.get("owner") else None
@@ -191,8 +191,8 @@ class ActorMeshes:
             reply_body, reply_buffers = dumps(value)
         except SerializationError as exc:
             ok, (reply_body, reply_buffers) = False, dumps(error_info(exc))
-        self.ctrl.channel.send(header["reply_to"], {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok},
-                               reply_body, reply_buffers)
+        reply: ReplyHeader = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": ok}
+        self.ctrl.channel.send(header["reply_to"], reply, reply_body, reply_buffers)
 
     def _control_op(self, op: str, payload: dict, owner: Owner | None) -> Any:
         ctrl = self.ctrl
@@ -217,7 +217,7 @@ class ActorMeshes:
         raise ValueError(f"unknown control request {op!r}")
 
     # -- failures --------------------------------------------------------------------------------
-    def on_actor_failed(self, header: dict, body: Any, buffers: list) -> None:
+    def on_actor_failed(self, header: ActorFailedHeader, body: Any, buffers: list[memoryview]) -> None:
         """An ``actor_failed`` message from a proc (IO thread)."""
         rec = self.records.get(header.get("actor", ""))
         try:
@@ -254,9 +254,9 @@ class ActorMeshes:
         else:
             proc, actor_id = owner
             body, buffers = dumps(failure)
-            header = {"kind": Kind.SUPERVISE, "actor": actor_id}
+            header: CallHeader = {"kind": Kind.SUPERVISE, "actor": actor_id}
             if proc == LOCAL_PROC:
-                header.update(src="ctrl", dst=LOCAL_PROC)
+                header["src"], header["dst"] = "ctrl", LOCAL_PROC
                 self.ctrl.local_host.dispatch(header, body, buffers)
             else:
                 self.ctrl.channel.send(proc, header, body, buffers)
@@ -281,7 +281,8 @@ class ActorMeshes:
             elif owner != _CONTROLLERS:
                 proc, actor_id = owner
                 body, buffers = dumps(failure)
-                self.ctrl.channel.send(proc, {"kind": Kind.SUPERVISE, "actor": actor_id}, body, buffers)
+                supervise: CallHeader = {"kind": Kind.SUPERVISE, "actor": actor_id}
+                self.ctrl.channel.send(proc, supervise, body, buffers)
 
     # -- stopping --------------------------------------------------------------------------------
     def stop(self, actor_id: str) -> None:
@@ -297,6 +298,7 @@ class ActorMeshes:
             targets = []
         if targets:
             fut = self.ctrl.messenger.send_raw(targets, Kind.STOP_ACTORS, rec.id, b"", [], extent=None, endpoint="__stop__")
+            assert fut is not None  # a reply is wanted
             try:
                 fut.get(timeout=30.0)
             except Exception:  # noqa: BLE001 - a dead proc's actors are stopped already

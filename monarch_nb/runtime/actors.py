@@ -35,6 +35,7 @@ from ..actor.ports import Port
 from ..actor.shape import Extent, Point
 from ..errors import UnknownEndpointError, capture_traceback, format_remote_traceback
 from ..transport.serialization import loads
+from .protocol import CallHeader
 
 if TYPE_CHECKING:
     from .actor_host import ActorHost
@@ -61,7 +62,7 @@ def _not_empty(mailbox: queue.SimpleQueue) -> Callable[[], bool]:
 class ResponsePort(Port):
     """The reply port of one call, handed to an ``explicit_response_port`` endpoint."""
 
-    def __init__(self, host: "ActorHost", header: dict | None, rank: int):
+    def __init__(self, host: "ActorHost", header: CallHeader | None, rank: int):
         super().__init__(host.identity, "", once=True, rank=rank)
         self._host = host
         self._header = header
@@ -106,7 +107,7 @@ class ActorRunner:
         self._aqueue: asyncio.Queue | None = None
         self._tasks: set = set()
         self._current_task: asyncio.Task | None = None
-        self._current_header: dict | None = None
+        self._current_header: CallHeader | None = None
         self._loop_ready = threading.Event()
         self._leading = False
         self._own_context: Context | None = None
@@ -120,6 +121,7 @@ class ActorRunner:
     def post(self, item: tuple) -> None:
         if self._loop is not None:
             try:
+                assert self._aqueue is not None  # made with the loop, before the runner is handed out
                 self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
             except RuntimeError:  # the loop is closed: the actor is gone
                 self.host.refuse(item)
@@ -130,9 +132,10 @@ class ActorRunner:
 
     def supervise(self, failure: MeshFailure) -> None:
         """Run ``__supervise__(failure)`` (async actors: at once, even while an endpoint awaits)."""
-        if self._loop is not None:
+        loop = self._loop
+        if loop is not None:
             try:
-                self._loop.call_soon_threadsafe(lambda: self._track(self._loop.create_task(self._supervise_async(failure))))
+                loop.call_soon_threadsafe(lambda: self._track(loop.create_task(self._supervise_async(failure))))
             except RuntimeError:
                 pass
         else:
@@ -173,7 +176,7 @@ class ActorRunner:
             except BaseException:  # noqa: BLE001 - nothing may end the actor's thread
                 log.exception("actor %s: unexpected error while handling a message", self.name)
 
-    def _handle_sync(self, kind: str, header: dict, body: Any, buffers: list) -> None:
+    def _handle_sync(self, kind: str, header: CallHeader, body: Any, buffers: list) -> None:
         if self._refused(header):
             return
         self.current = (header.get("ep", "__init__"), time.monotonic())
@@ -198,7 +201,7 @@ class ActorRunner:
             self.current = None
             self._current_header = None
 
-    def _stop_sync(self, header: dict | None) -> None:
+    def _stop_sync(self, header: CallHeader | None) -> None:
         self.stopped = True
         if self.failed is None:
             self._cleanup(None)
@@ -242,7 +245,7 @@ class ActorRunner:
             except BaseException:  # noqa: BLE001 - nothing may end the dispatcher
                 log.exception("actor %s: unexpected error while handling a message", self.name)
 
-    async def _handle_async(self, kind: str, header: dict, body: Any, buffers: list) -> None:
+    async def _handle_async(self, kind: str, header: CallHeader, body: Any, buffers: list) -> None:
         if self._refused(header):
             return
         if kind == "spawn":
@@ -279,7 +282,7 @@ class ActorRunner:
             self.current = None
             self._current_header = None
 
-    async def _run_one(self, kind: str, header: dict, fn: Callable, args: tuple, kwargs: dict, prop: Any) -> None:
+    async def _run_one(self, kind: str, header: CallHeader, fn: Callable, args: tuple, kwargs: dict, prop: Any) -> None:
         set_context(self._context(header) if "mx" in header else self._own_context)
         try:
             if prop is not None and prop.explicit_response_port:
@@ -311,7 +314,7 @@ class ActorRunner:
         if not handled:
             self._fail_unhandled(failure, None)
 
-    async def _stop_async(self, header: dict | None) -> None:
+    async def _stop_async(self, header: CallHeader | None) -> None:
         self.stopped = True
         tasks = [t for t in self._tasks if not t.done()]
         for task in tasks:
@@ -336,14 +339,14 @@ class ActorRunner:
         task.add_done_callback(self._tasks.discard)
 
     # -- shared ---------------------------------------------------------------------------------
-    def _refused(self, header: dict) -> bool:
+    def _refused(self, header: CallHeader) -> bool:
         """A failed or stopped actor answers every message with SupervisionError."""
         if self.failed is None and not self.stopped and not self.abandoned:
             return False
         self.host.reply_failure(header, self.failed or self.host.stopped_info(self.name))
         return True
 
-    def _construct(self, header: dict, body: Any, buffers: list) -> None:
+    def _construct(self, header: CallHeader, body: Any, buffers: list) -> None:
         cls, args, kwargs, extent, ranks, meta = loads(body, buffers)
         point = extent.point(ranks.index(self.host.rank))
         display = f"{meta['creator_display']}.<{cls.__module__}.{cls.__qualname__} {meta['name']}{point!r}>"
@@ -359,17 +362,17 @@ class ActorRunner:
         instance.__init__(*args, **kwargs)
         self.instance = instance  # only a constructed actor is cleaned up
 
-    def _context(self, header: dict | None) -> Context:
+    def _context(self, header: CallHeader | None) -> Context:
         assert self.instance_ctx is not None
         return Context(self.instance_ctx, self._message_rank(header) if header else self.instance_ctx.rank)
 
-    def _message_rank(self, header: dict) -> Point:
+    def _message_rank(self, header: CallHeader) -> Point:
         mx = header.get("mx")
         if mx is None:
             return self.instance_ctx.rank if self.instance_ctx is not None else Point({}, 0, Extent({}))
         return Extent(dict(zip(mx[0], mx[1]))).point(header.get("mi", 0))
 
-    def _prepare(self, header: dict, body: Any, buffers: list) -> tuple:
+    def _prepare(self, header: CallHeader, body: Any, buffers: list) -> tuple:
         if self.instance is None:
             raise RuntimeError(f"actor {self.name!r} was not constructed (its constructor failed)")
         args, kwargs = loads(body, buffers) if body else ((), {})
@@ -389,16 +392,16 @@ class ActorRunner:
             set_context(self._context(header) if "mx" in header else self._own_context)
         return fn, args, kwargs, prop
 
-    def _after(self, header: dict, result: Any) -> Any:
+    def _after(self, header: CallHeader, result: Any) -> Any:
         for hook in self.host.call_hooks:
             result = hook.after_call(result, self.name, header.get("ep", ""))
         return result
 
     @staticmethod
-    def _wants_reply(header: dict) -> bool:
+    def _wants_reply(header: CallHeader) -> bool:
         return "cid" in header or "port" in header
 
-    def _on_error(self, kind: str, header: dict, exc: BaseException, explicit: bool = False) -> None:
+    def _on_error(self, kind: str, header: CallHeader, exc: BaseException, explicit: bool = False) -> None:
         """An endpoint (or the constructor) raised ``exc``: the caller's error, or the actor's failure."""
         info = error_info(exc)
         self.host.endpoint_failed(self.name, header.get("ep", "__init__"), exc, info)
@@ -420,7 +423,7 @@ class ActorRunner:
         self.fail(f"aborted: {reason or 'no reason provided'}", "abort", None, None)
 
     def fail(self, reason: str, cause: str, exc: BaseException | None, info: dict | None,
-             root_report: str | None = None, header: dict | None = None) -> None:
+             root_report: str | None = None, header: CallHeader | None = None) -> None:
         """Fail this actor (any thread; idempotent): answer the call in flight and every later
         message with SupervisionError, cancel its tasks, run ``__cleanup__(exc)``, tell the controller."""
         if self.failed is not None or self.stopped:
@@ -485,6 +488,6 @@ class ActorRunner:
             except Exception:
                 log.exception("%s.__interrupt__ raised", self.name)
 
-    def stop(self, header: dict | None = None) -> None:
+    def stop(self, header: CallHeader | None = None) -> None:
         """Queue the stop: after the messages already queued, cancel tasks, run ``__cleanup__``."""
         self.post(("stop", header, None, None))

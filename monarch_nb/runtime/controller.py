@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from ..actor import backend
 from ..actor.context import context as current_context
@@ -38,7 +38,7 @@ from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRe
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
-from ..transport.wire import Signer, route_id
+from ..transport.wire import Header, Signer, route_id
 from .actor_host import ActorHost
 from .actor_meshes import LOCAL_PROC, ActorMeshes
 from .hosts import Hosts
@@ -46,7 +46,9 @@ from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
 from .output import LineAssembler, OutputLine, deliver, print_output
-from .protocol import CONTROLLER, FAULT_KINDS, Kind, validate_fault
+from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHeader, AgentHeartbeatHeader, AgentHelloHeader,
+                       CallHeader, FaultFiredHeader, FaultHeader, Handler, InterruptHeader, Kind, LogLevelHeader, OutputHeader,
+                       ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
 
@@ -112,7 +114,7 @@ class Controller:
         self._hosts = Hosts(self)
         self.liveness = Liveness(self)
         self.supervisor = Supervisor(self)
-        self._handlers: dict[str, Callable[[dict, Any, list], None]] = {
+        self._handlers: dict[str, Handler] = {
             Kind.REPLY: self.messenger.on_reply,
             Kind.HEARTBEAT: self._from_proc(self.liveness.on_heartbeat),
             Kind.HELLO: self._from_proc(self.liveness.on_hello),
@@ -143,7 +145,7 @@ class Controller:
         return self._closed
 
     # -- the actor API's backend -------------------------------------------------------------------
-    def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
+    def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
              extent: Extent | None, want_reply: bool = True, **how: Any) -> Any:
         return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply, **how)
 
@@ -200,7 +202,8 @@ class Controller:
     def set_log_level(self, mesh: str, level: int) -> None:
         for rec in self.mesh_records(mesh):
             if rec.alive:
-                self.channel.send(rec.identity, {"kind": Kind.LOG_LEVEL, "level": int(level)})
+                header: LogLevelHeader = {"kind": Kind.LOG_LEVEL, "level": int(level)}
+                self.channel.send(rec.identity, header)
 
     def open_port(self, receiver: Any) -> tuple[str, str]:
         return self.messenger.open_port(receiver)
@@ -255,20 +258,23 @@ class Controller:
         if signame is not None:
             self.signal_proc(rec.identity, signame)
         else:
-            self.channel.send(rec.identity, {"kind": Kind.FAULT, "fault": kind, "params": params})
+            header: FaultHeader = {"kind": Kind.FAULT, "fault": kind, "params": params}
+            self.channel.send(rec.identity, header)
         return event
 
     def clear_faults(self, mesh: str, rank: int) -> None:
         """Disarm the in-proc faults (raise, slow, nan) still pending on rank ``rank`` of ``mesh``."""
         rec = self.proc_record(mesh, rank)
         if rec.alive:
-            self.channel.send(rec.identity, {"kind": Kind.FAULT, "fault": "clear", "params": {}})
+            header: FaultHeader = {"kind": Kind.FAULT, "fault": "clear", "params": {}}
+            self.channel.send(rec.identity, header)
 
     def interrupt(self, mesh: str, rank: int, actor: str) -> None:
         """Interrupt the endpoint that ``actor`` runs on rank ``rank`` of ``mesh`` (its ``__interrupt__``)."""
         rec = self.proc_record(mesh, rank)
         if rec.alive:
-            self.channel.send(rec.identity, {"kind": Kind.INTERRUPT, "actor": actor})
+            header: InterruptHeader = {"kind": Kind.INTERRUPT, "actor": actor}
+            self.channel.send(rec.identity, header)
 
     # -- for features: records, events, signals -----------------------------------------------------
     def rendezvous_host(self, mesh: str) -> str:
@@ -337,7 +343,8 @@ class Controller:
     def signal_proc(self, identity: str, signame: str) -> None:
         """Have the proc's host agent send it ``signame`` (``"SIGKILL"``, ``"SIGSTOP"``, ...)."""
         rec = self.procs[route_id(identity)]
-        self.channel.send(rec.host, {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": signame})
+        header: SignalHeader = {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": signame}
+        self.channel.send(rec.host, header)
 
     def send_request(self, rec: ProcRecord, kind: Kind, body: bytes, buffers: list, op: str) -> Future:
         """Send a request of a plugin's ``kind`` (e.g. ``Kind.DEBUG``) to ``rec``'s proc; a Future
@@ -395,10 +402,10 @@ class Controller:
         self.liveness.check_heartbeats()
 
     # -- incoming messages (IO thread) ---------------------------------------------------------------
-    def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
+    def _on_message(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any]) -> None:
         if header["dst"] != CONTROLLER:
-            if header["dst"] == LOCAL_PROC:  # an actor hosted in this process
-                self.local_host.dispatch(header, body, buffers)
+            if header["dst"] == LOCAL_PROC:  # an actor hosted in this process: a CALL, SPAWN, ...
+                self.local_host.dispatch(cast(CallHeader, header), body, buffers)
             else:
                 self.channel.forward(header["dst"], frames)
             return
@@ -408,15 +415,15 @@ class Controller:
             return
         handler(header, body, buffers)
 
-    def _from_proc(self, fn: Callable[[ProcRecord, dict], None]) -> Callable[[dict, Any, list], None]:
+    def _from_proc(self, fn: Callable[[ProcRecord, Any], None]) -> Handler:
         """A handler for messages a proc sends about itself (its record found from ``src``)."""
-        def handle(header: dict, body: Any, buffers: list) -> None:
+        def handle(header: Header, body: Any, buffers: list[memoryview]) -> None:
             rec = self.procs.get(route_id(header["src"]))
             if rec is not None:
                 fn(rec, header)
         return handle
 
-    def _on_output(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_output(self, header: OutputHeader, body: Any, buffers: list[memoryview]) -> None:
         rec = self.procs.get(route_id(header["proc"]))
         key = (header["proc"], header["stream"])
         lines = self._lines.feed(key, bytes(body))
@@ -432,13 +439,13 @@ class Controller:
             if rec is not None:
                 self.emit_lines(rec, stream, [text], partial=True)
 
-    def _on_proc_spawned(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_proc_spawned(self, header: ProcSpawnedHeader, body: Any, buffers: list[memoryview]) -> None:
         rec = self.procs.get(route_id(header["proc"]))
         if rec is not None:
             rec.pid = header["pid"]
             rec.on_spare = bool(header.get("spare"))
 
-    def _on_agent_heartbeat(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_agent_heartbeat(self, header: AgentHeartbeatHeader, body: Any, buffers: list[memoryview]) -> None:
         host = self._hosts.on_heartbeat(header)
         if host is None:
             return
@@ -447,31 +454,31 @@ class Controller:
             if rec.host == host.name:
                 rec.os_stopped = rec.identity in stopped
 
-    def _on_spares(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_spares(self, header: SparesHeader, body: Any, buffers: list[memoryview]) -> None:
         host = self.hosts.get(route_id(header["src"]))
         if host is not None and not self.mesh_stopped(header["mesh"]):
             host.spares[header["mesh"]] = list(header["spares"])
 
-    def _on_proc_exited(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_proc_exited(self, header: ProcExitedHeader, body: Any, buffers: list[memoryview]) -> None:
         rec = self.procs.get(route_id(header["proc"]))
         if rec is not None:
             self.liveness.on_exit(rec, header)
 
-    def _on_actor_error(self, rec: ProcRecord, header: dict) -> None:
+    def _on_actor_error(self, rec: ProcRecord, header: ActorErrorHeader) -> None:
         self.record_event("actor_error", rec, detail=header.get("detail", ""), cause="exception")
 
-    def _on_fault_fired(self, rec: ProcRecord, header: dict) -> None:
+    def _on_fault_fired(self, rec: ProcRecord, header: FaultFiredHeader) -> None:
         self.record_event("fault_fired", rec, detail=header.get("detail", ""), cause=header.get("fault", ""))
 
-    def _on_agent_hello(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_agent_hello(self, header: AgentHelloHeader, body: Any, buffers: list[memoryview]) -> None:
         self._hosts.on_hello(header)
 
     # -- actors' requests (the client's own proc, and control requests from procs) ------------------
-    def _from_local_host(self, header: dict, body: bytes) -> None:
+    def _from_local_host(self, header: Header, body: bytes) -> None:
         """A message the client's own proc sends "to the controller": handled here, no socket."""
-        header.update(src=LOCAL_PROC, dst=CONTROLLER)
+        header["src"], header["dst"] = LOCAL_PROC, CONTROLLER
         if header["kind"] == Kind.ACTOR_FAILED:
-            self.actor_meshes.on_actor_failed(header, body, [])
+            self.actor_meshes.on_actor_failed(cast(ActorFailedHeader, header), body, [])  # its kind says so
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:

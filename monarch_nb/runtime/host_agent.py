@@ -47,16 +47,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import device
 from ..transport import shm
 from ..transport.channel import Channel
 from ..transport.keys import load_trust
-from ..transport.wire import Signer
+from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
-from .protocol import CONTROLLER, AgentEnv, AgentExit, Kind, ProcEnv
+from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Kind,
+                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader)
 
 log = logging.getLogger("monarch_nb.host_agent")
 
@@ -75,10 +76,10 @@ class ChildProc:
 
     identity: str | None
     rank: int
-    popen: subprocess.Popen | ForkedProc
+    popen: subprocess.Popen[bytes] | ForkedProc
     mesh: str = ""
-    fds: dict = field(default_factory=dict)  # fd -> stream name
-    seq: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    fds: dict[int, str] = field(default_factory=dict)  # fd -> stream name
+    seq: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     ready_fd: int = -1  # a spare writes one byte here once its preload is done
     ready: bool = False
     started_at: float = field(default_factory=time.monotonic)
@@ -108,7 +109,7 @@ class ForkRequest:
 
 
 class HostAgent:
-    def __init__(self, name: str, env: AgentEnv):
+    def __init__(self, name: str, env: AgentEnv) -> None:
         self.name = name
         self.env = env
         key = bytes.fromhex(env.key_hex)
@@ -118,9 +119,9 @@ class HostAgent:
         self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
         self.inventory = device.detect_gpus()
         self.controller_seen = time.monotonic()
-        self._handlers = {
-            Kind.SPAWN_PROCS: lambda header, body: [self._spawn(spec) for spec in json.loads(bytes(body))],
-            Kind.SIGNAL: lambda header, body: self._signal(header["proc"], header["signal"]),
+        self._handlers: dict[str, Callable[[Any, Any], None]] = {
+            Kind.SPAWN_PROCS: self._on_spawn_procs,
+            Kind.SIGNAL: self._on_signal,
             Kind.KEEP_SPARES: lambda header, body: self._keep_spares(json.loads(bytes(body))),
             Kind.SHUTDOWN: lambda header, body: self.shutdown(AgentExit.SHUTDOWN),
             Kind.CONTROLLER_HEARTBEAT: lambda header, body: None,  # any message counts (see _on_message)
@@ -138,13 +139,20 @@ class HostAgent:
         os.set_blocking(self._sigchld_w, False)
 
     # -- messages from the controller ----------------------------------------------------------------
-    def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
+    def _on_message(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any]) -> None:
         self.controller_seen = time.monotonic()
         handler = self._handlers.get(header["kind"])
         if handler is None:
             log.warning("unknown message kind %r from %s", header["kind"], header["src"])
             return
         handler(header, body)
+
+    def _on_spawn_procs(self, header: Header, body: memoryview) -> None:
+        for spec in json.loads(bytes(body)):
+            self._spawn(spec)
+
+    def _on_signal(self, header: SignalHeader, body: memoryview) -> None:
+        self._signal(header["proc"], header["signal"])
 
     def _host_env(self, proc_env: ProcEnv) -> ProcEnv:
         """Add what only this host knows to a proc's environment."""
@@ -185,11 +193,13 @@ class HostAgent:
         try:
             popen = self._popen([identity], env, spec.get("cwd"), python=spec.get("python"))
         except OSError as exc:
-            self.channel.send(CONTROLLER, {"kind": Kind.PROC_EXITED, "proc": identity, "pid": 0, "returncode": 127,
-                                           "signal": None, "detail": f"could not start: {exc}"})
+            exited: ProcExitedHeader = {"kind": Kind.PROC_EXITED, "proc": identity, "pid": 0, "returncode": 127,
+                                        "signal": None, "detail": f"could not start: {exc}"}
+            self.channel.send(CONTROLLER, exited)
             return
         self._adopt(ChildProc(identity, spec["rank"], popen, identity.rsplit(".", 1)[0]))
-        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": identity, "pid": popen.pid})
+        spawned: ProcSpawnedHeader = {"kind": Kind.PROC_SPAWNED, "proc": identity, "pid": popen.pid}
+        self.channel.send(CONTROLLER, spawned)
 
     @staticmethod
     def _proc_environ(base_env: dict | None, proc_env: ProcEnv) -> dict[str, str]:
@@ -220,8 +230,9 @@ class HostAgent:
                 log.warning("could not start a fork server (%s): procs start as fresh interpreters", exc)
                 return None
             self.servers[key] = server
-            self.channel.add_reader(server.ready_fd, lambda _fd, server=server: self._on_server_ready(server))
-            self.channel.add_reader(server.sock.fileno(), lambda _fd, server=server: self._on_server_reply(server))
+            started = server  # the callbacks' server (``server`` is not bound again below)
+            self.channel.add_reader(server.ready_fd, lambda _fd: self._on_server_ready(started))
+            self.channel.add_reader(server.sock.fileno(), lambda _fd: self._on_server_reply(started))
         if server.state == ServerState.DEAD:
             return None
         return server
@@ -301,6 +312,7 @@ class HostAgent:
 
     def _adopt(self, child: ChildProc) -> None:
         for stream, pipe in (("stdout", child.popen.stdout), ("stderr", child.popen.stderr)):
+            assert pipe is not None  # procs are started with their output piped here
             fd = pipe.fileno()
             os.set_blocking(fd, False)
             child.fds[fd] = stream
@@ -404,21 +416,26 @@ class HostAgent:
         the rank's proc, with the rank's environment as this host sees it (device visibility
         included). False if it could not take it."""
         env = self._host_env(ProcEnv.from_json(spec["env"])).to_json()
+        stdin = child.popen.stdin
+        assert stdin is not None  # a spare and a forked proc read their rank's spec from it
         try:
-            child.popen.stdin.write(json.dumps({**spec, "env": env}).encode() + b"\n")
-            child.popen.stdin.close()
+            stdin.write(json.dumps({**spec, "env": env}).encode() + b"\n")
+            stdin.close()
         except (BrokenPipeError, OSError):
             return False
         child.identity, child.rank = spec["identity"], spec["rank"]
-        self.channel.send(CONTROLLER, {"kind": Kind.PROC_SPAWNED, "proc": child.identity, "pid": child.popen.pid,
-                                       **({"spare": True} if spare else {})})
+        spawned: ProcSpawnedHeader = {"kind": Kind.PROC_SPAWNED, "proc": spec["identity"], "pid": child.popen.pid}
+        if spare:
+            spawned["spare"] = True
+        self.channel.send(CONTROLLER, spawned)
         if spare:
             self._report_spares(child.mesh)
         return True
 
     def _report_spares(self, mesh: str) -> None:
         spares = [{"pid": c.popen.pid, "ready": c.ready} for c in self._spares(mesh)]
-        self.channel.send(CONTROLLER, {"kind": Kind.SPARES, "mesh": mesh, "spares": spares})
+        header: SparesHeader = {"kind": Kind.SPARES, "mesh": mesh, "spares": spares}
+        self.channel.send(CONTROLLER, header)
 
     # -- output --------------------------------------------------------------------------------------
     def _child_of_fd(self, fd: int) -> ChildProc | None:
@@ -458,11 +475,9 @@ class HostAgent:
             if child.identity is None:
                 continue
             child.seq[stream] += 1
-            self.channel.send(
-                CONTROLLER,
-                {"kind": Kind.OUTPUT, "proc": child.identity, "rank": child.rank, "stream": stream, "oseq": child.seq[stream]},
-                data,
-            )
+            header: OutputHeader = {"kind": Kind.OUTPUT, "proc": child.identity, "rank": child.rank, "stream": stream,
+                                    "oseq": child.seq[stream]}
+            self.channel.send(CONTROLLER, header, data)
 
     # -- exits ---------------------------------------------------------------------------------------
     def _on_sigchld(self, _fd: int) -> None:
@@ -523,11 +538,9 @@ class HostAgent:
             return
         if report:
             signame = signal.Signals(-status).name if status < 0 else None
-            self.channel.send(
-                CONTROLLER,
-                {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": status, "signal": signame,
-                 "time": time.time()},
-            )
+            exited: ProcExitedHeader = {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": status,
+                                        "signal": signame, "time": time.time()}
+            self.channel.send(CONTROLLER, exited)
 
     # -- what the OS says ----------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -538,7 +551,8 @@ class HostAgent:
                 stopped.append(child.identity)
             elif state == "R":
                 runnable += 1
-        self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped})
+        header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped}
+        self.channel.send(CONTROLLER, header)
         self._publish_seen()
 
     def _publish_seen(self) -> None:
@@ -568,7 +582,8 @@ class HostAgent:
     def shutdown(self, code: AgentExit = AgentExit.SHUTDOWN, why: str = "") -> None:
         """Kill every proc and exit with ``code``; first tell the controller ``why`` unless it asked."""
         if code != AgentExit.SHUTDOWN:  # the host is lost now, for this reason (its procs' exits follow)
-            self.channel.send(CONTROLLER, {"kind": Kind.AGENT_EXITING, "why": why or code.why})
+            exiting: AgentExitingHeader = {"kind": Kind.AGENT_EXITING, "why": why or code.why}
+            self.channel.send(CONTROLLER, exiting)
         self.pools.clear()
         for server in self.servers.values():
             try:
@@ -599,7 +614,8 @@ class HostAgent:
         self.channel.connect(self.env.controller, self.trust)
         self.channel.every(self.env.orphan_check_s, self._check_parent)
         self.channel.every(self.env.heartbeat_interval_s, self._heartbeat)
-        self.channel.send(CONTROLLER, {"kind": Kind.AGENT_HELLO, "pid": os.getpid(), "host": self.name})
+        hello: AgentHelloHeader = {"kind": Kind.AGENT_HELLO, "pid": os.getpid(), "host": self.name}
+        self.channel.send(CONTROLLER, hello)
         self._check_parent()
         self.channel.run_forever()
 

@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -34,7 +34,8 @@ from ..supervision.records import HostRecord, ProcState
 from ..transport.keys import Trust, load_trust, seal
 from ..transport.wire import BadMessage, Signer, decode, encode, route_id
 from .launch import LocalAgent
-from .protocol import CONTROLLER, AgentEnv, Kind
+from .protocol import (CONTROLLER, AgentEnv, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, AttachedHeader, AttachHeader,
+                       Kind, SignalHeader)
 from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback, machine_id
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class Hosts:
             known = next((n for n, link in self._links.items()
                           if _same_worker(link["key"], key) and link["trust"].hmac_key == wanted.hmac_key), None)
             record = self.records.get(known) if known is not None else None
-            if record is not None and record.state == ProcState.HEALTHY:
+            if known is not None and record is not None and record.state == ProcState.HEALTHY:
                 names.append(known)  # already attached and serving: attaching again changes nothing
                 return
             name = known or f"host{self._next}"
@@ -213,11 +214,12 @@ class Hosts:
         controller_ip = "127.0.0.1" if is_loopback(address) else interface_for(worker_ip)[0]
         endpoint = self._endpoint_for(controller_ip, trust)
         nonce, sealed = seal(trust.hmac_key, ctrl.signer.key)
-        header = {"kind": Kind.ATTACH, "src": CONTROLLER, "dst": name, "seq": 1, "controller": endpoint,
-                  "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
-                  "heartbeat_interval_s": config.heartbeat_interval_s, "hang_timeout_s": config.hang_timeout_s,
-                  "controller_timeout_s": controller_timeout_s(), "controller_host": socket.gethostname(),
-                  "controller_pid": os.getpid()}
+        header: AttachHeader = {
+            "kind": Kind.ATTACH, "src": CONTROLLER, "dst": name, "seq": 1, "controller": endpoint,
+            "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
+            "heartbeat_interval_s": config.heartbeat_interval_s, "hang_timeout_s": config.hang_timeout_s,
+            "controller_timeout_s": controller_timeout_s(), "controller_host": socket.gethostname(),
+            "controller_pid": os.getpid()}
         with self._lock:
             record = self.records.get(name)
             if record is None:
@@ -258,7 +260,7 @@ class Hosts:
                     self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
 
     # -- messages (IO thread) --------------------------------------------------------------------------
-    def on_hello(self, header: dict) -> None:
+    def on_hello(self, header: AgentHelloHeader) -> None:
         record = self.records.get(route_id(header["src"]))
         if record is not None:
             procs = self.ctrl.procs  # a fresh agent: its host's procs may be fenced again if it is lost again
@@ -268,14 +270,14 @@ class Hosts:
             record.last_heartbeat = time.monotonic()
             record.ready.set()
 
-    def on_agent_exiting(self, header: dict) -> None:
+    def on_agent_exiting(self, header: AgentExitingHeader) -> None:
         """An agent exits on its own (its worker loop died, its controller went silent): the host is
         lost now, for that reason, instead of after the hang timeout."""
         record = self.records.get(route_id(header["src"]))
         if record is not None and record.state == ProcState.HEALTHY and not self.ctrl.closed:
             self._lose(record, str(header.get("why") or "its host agent exited"))
 
-    def on_heartbeat(self, header: dict) -> HostRecord | None:
+    def on_heartbeat(self, header: AgentHeartbeatHeader) -> HostRecord | None:
         record = self.records.get(route_id(header["src"]))
         if record is None:
             return None
@@ -322,7 +324,8 @@ class Hosts:
         for rec in list(self.ctrl.procs.values()):
             if rec.host == record.name and rec.identity not in self._fenced:
                 self._fenced.add(rec.identity)
-                self.ctrl.channel.send(record.name, {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": "SIGKILL"})
+                kill: SignalHeader = {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": "SIGKILL"}
+                self.ctrl.channel.send(record.name, kill)
 
     def _reattach(self, name: str) -> None:
         try:
@@ -362,9 +365,9 @@ def _same_worker(a: tuple[frozenset, str], b: tuple[frozenset, str]) -> bool:
     return a[1] == b[1] and bool(a[0] & b[0])
 
 
-def _request(address: str, trust: Trust, frames: list, timeout_s: float) -> dict:
-    """Send one signed request to a worker loop and return the reply's header."""
-    ctx = zmq.Context.instance()
+def _request(address: str, trust: Trust, frames: list[Any], timeout_s: float) -> AttachedHeader:
+    """Send one signed request (an attach) to a worker loop and return the reply's header (attached)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -381,7 +384,7 @@ def _request(address: str, trust: Trust, frames: list, timeout_s: float) -> dict
             header, _body, _buffers = decode(Signer(trust.hmac_key), sock.recv_multipart())
         except BadMessage as exc:
             raise AttachError(f"worker {address} answered with a bad message ({exc}): another cluster key?") from None
-        return header
+        return cast(AttachedHeader, header)  # a worker loop answers an attach with nothing else
     finally:
         sock.close(0)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..config import config
 from ..errors import SupervisionError
 from ..supervision.records import ProcRecord, ProcState
-from .protocol import Kind
+from .protocol import HelloHeader, HeartbeatHeader, Kind, PeerHeader, ProcExitedHeader
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -31,26 +31,25 @@ log = logging.getLogger(__name__)
 class Liveness:
     """Tracks the procs of ``controller``: their hellos, heartbeats, exits and hangs."""
 
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: "Controller") -> None:
         self.ctrl = controller
 
     # -- messages (IO thread) -------------------------------------------------------------------
-    def on_hello(self, rec: ProcRecord, header: dict) -> None:
+    def on_hello(self, rec: ProcRecord, header: HelloHeader) -> None:
         rec.pid = header["pid"]
         rec.last_heartbeat = time.monotonic()
         rec.exit_info = None
         rec.fenced = False
         rec.failure = None
         rec.started_at = rec.last_heartbeat
-        restarting = rec.state == ProcState.RESTARTING
-        rec.state = ProcState.HEALTHY
+        restarting = rec.move(ProcState.HEALTHY, "hello") == ProcState.RESTARTING
         if restarting:
             self._respawn_actors(rec)
         else:
             self.ctrl.record_event("proc_started", rec, detail=f"pid {rec.pid}")
             rec.ready.set()
 
-    def on_heartbeat(self, rec: ProcRecord, header: dict) -> None:
+    def on_heartbeat(self, rec: ProcRecord, header: HeartbeatHeader) -> None:
         ctrl = self.ctrl
         rec.last_heartbeat = time.monotonic()
         rec.busy = header.get("busy", {})
@@ -63,14 +62,14 @@ class Liveness:
                 ctrl.emit_lines(rec, "stderr", [f"paused at breakpoint() in {where}: %mesh debug attaches"])
         rec.paused = paused
         if rec.serving:
-            rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY
+            rec.move(ProcState.BUSY if rec.busy else ProcState.HEALTHY, "heartbeat")
         elif rec.state == ProcState.HUNG and not rec.fenced:  # it was only slow (fencing off): serving again
-            rec.state = ProcState.BUSY if rec.busy else ProcState.HEALTHY
+            rec.move(ProcState.BUSY if rec.busy else ProcState.HEALTHY, "heartbeats resumed")
             rec.failure = None
             self._tell_recovered(rec, include_starting=False)
             ctrl.record_event("proc_resumed", rec, detail="heartbeats resumed", cause="heartbeat")
 
-    def on_exit(self, rec: ProcRecord, header: dict) -> None:
+    def on_exit(self, rec: ProcRecord, header: ProcExitedHeader) -> None:
         ctrl = self.ctrl
         ctrl.flush_output(rec)
         if rec.state == ProcState.FAILED and rec.failure is not None and rec.failure.cause == "host_lost":
@@ -80,7 +79,7 @@ class Liveness:
         rec.busy = {}
         rec.paused = []
         if rec.state == ProcState.STOPPING:
-            rec.state = ProcState.STOPPED
+            rec.move(ProcState.STOPPED, "exit")
             ctrl.record_event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")
             return
         if rec.state == ProcState.RESTARTING and header.get("pid") == rec.restart_kill_pid:  # a restart killed it
@@ -94,8 +93,7 @@ class Liveness:
         else:
             cause = f"exit {header['returncode']}"
         detail = header.get("detail") or (f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
-        starting = rec.state == ProcState.STARTING
-        rec.state = ProcState.FAILED
+        starting = rec.move(ProcState.FAILED, "exit") == ProcState.STARTING
         ctrl.record_event("proc_exited", rec, detail=detail, cause=cause)
         self.fail_proc(rec, cause, detail, signame, supervise=not starting)
 
@@ -123,7 +121,7 @@ class Liveness:
             if rec.host in silent_hosts:
                 continue  # its whole host is silent: a lost host (decided by the host check), not a hang
             if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):
-                rec.state = ProcState.HUNG
+                rec.move(ProcState.HUNG, "no heartbeat")
                 silent = now - rec.last_heartbeat
                 ctrl.record_event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
                 self.fail_proc(rec, "hung", f"no heartbeat for {silent:.2f} s", None)
@@ -139,7 +137,7 @@ class Liveness:
             if rec.host != host or rec.state in (ProcState.FAILED, ProcState.STOPPED):
                 continue
             stopping, starting = rec.state == ProcState.STOPPING, rec.state == ProcState.STARTING
-            rec.state = ProcState.STOPPED if stopping else ProcState.FAILED
+            rec.move(ProcState.STOPPED if stopping else ProcState.FAILED, "host lost")
             rec.exit_info = {"returncode": None, "signal": None, "host_lost": True}
             rec.busy, rec.paused = {}, []
             if stopping:
@@ -158,7 +156,8 @@ class Liveness:
         ctrl.messenger.proc_failed(rec.identity, error)
         note = json.dumps({"rank": rec.rank, "cause": cause, "detail": detail, "signal": signame}).encode()
         for other in self._peers(rec, include_starting=False):
-            ctrl.channel.send(other.identity, {"kind": Kind.PROC_FAILED, "proc": rec.identity}, note)
+            failed: PeerHeader = {"kind": Kind.PROC_FAILED, "proc": rec.identity}
+            ctrl.channel.send(other.identity, failed, note)
         ctrl.proc_meshes.new_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
         ctrl.supervisor.on_failure(rec, cause, detail, signame, handle=supervise)
 
@@ -169,7 +168,8 @@ class Liveness:
     def _tell_recovered(self, rec: ProcRecord, include_starting: bool) -> None:
         self.ctrl.messenger.proc_recovered(rec.identity)
         for other in self._peers(rec, include_starting):
-            self.ctrl.channel.send(other.identity, {"kind": Kind.PROC_RECOVERED, "proc": rec.identity})
+            recovered: PeerHeader = {"kind": Kind.PROC_RECOVERED, "proc": rec.identity}
+            self.ctrl.channel.send(other.identity, recovered)
 
     def _respawn_actors(self, rec: ProcRecord) -> None:
         """A restarted proc said hello: construct its actors again, then it serves."""
@@ -179,7 +179,7 @@ class Liveness:
         def finish() -> None:
             failed = [e for e in (f.exception() for f in futures) if e is not None]
             if failed:
-                rec.state = ProcState.FAILED
+                rec.move(ProcState.FAILED, "actor respawn failed")
                 ctrl.record_event("proc_exited", rec, detail=f"actor respawn failed: {failed[0]}", cause="respawn")
                 rec.ready.set()
                 return

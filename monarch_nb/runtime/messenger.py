@@ -22,14 +22,14 @@ from typing import Any, Callable, Sequence
 
 from ..actor.backend import Target
 from ..actor.future import Future
-from ..actor.ports import collect_pickled_ports
+from ..actor.ports import Port, collect_pickled_ports
 from ..actor.shape import Extent
 from ..actor.value_mesh import ValueMesh
 from ..errors import ActorError, SupervisionError, error_from_reply
 from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import route_id
-from .protocol import Kind
+from .protocol import CallHeader, ControlHeader, Handler, Kind, PortHeader, ReplyHeader, SpawnFlags
 
 __all__ = ["Messenger"]
 
@@ -41,16 +41,16 @@ _EMPTY_ARGS = dumps(((), {}))
 class _PendingCall:
     __slots__ = ("targets", "actor", "endpoint", "extent", "future", "values", "outstanding", "errors", "streams", "display")
 
-    def __init__(self, targets: list, actor: str, endpoint: str, extent: Extent | None, future: Future | None,
-                 streams: list | None = None):
+    def __init__(self, targets: list[Target], actor: str, endpoint: str, extent: Extent | None, future: Future[Any] | None,
+                 streams: list[Future[Any]] | None = None) -> None:
         self.targets = targets
         self.actor = actor
         self.endpoint = endpoint
         self.extent = extent  # None: a single value (call_one / choose)
         self.future = future
-        self.values: list = [None] * len(targets)
+        self.values: list[Any] = [None] * len(targets)
         self.outstanding = set(range(len(targets)))
-        self.errors: list = []
+        self.errors: list[BaseException] = []
         self.streams = streams  # stream(): Futures completed in arrival order
         self.display = actor  # "module.Class name" of the actors called, for failure texts
 
@@ -64,7 +64,7 @@ class Messenger:
             process (their messages skip the socket).
     """
 
-    def __init__(self, channel: Channel, local: dict[str, Callable[[dict, Any, list], None]] | None = None):
+    def __init__(self, channel: Channel, local: dict[str, Handler] | None = None) -> None:
         self.channel = channel
         self.identity = channel.identity
         self.route = route_id(channel.identity)
@@ -82,17 +82,17 @@ class Messenger:
         targets: Sequence[Target],
         actor: str,
         endpoint: str,
-        args: tuple,
-        kwargs: dict,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         *,
         extent: Extent | None,
         want_reply: bool = True,
         stream: bool = False,
         port: Any = None,
-        message_extent: tuple | None = None,
+        message_extent: tuple[Extent, list[int]] | None = None,
         as_endpoint: bool = False,
         display: str | None = None,
-    ) -> Future | list[Future] | None:
+    ) -> Future[Any] | list[Future[Any]] | None:
         """Send ``actor.endpoint(*args, **kwargs)`` to each target.
 
         Args:
@@ -113,26 +113,24 @@ class Messenger:
                 self._note_port_holders(ports, targets)
         else:
             body, buffers = _EMPTY_ARGS
-        header: dict = {"kind": Kind.CALL, "actor": actor, "ep": endpoint}
+        header: CallHeader = {"kind": Kind.CALL, "actor": actor, "ep": endpoint}
         if as_endpoint:
             header["asep"] = 1
-        mx = None
         if message_extent is not None:
             ext, indices = message_extent
-            mx = [list(ext.labels), list(ext.sizes)]
-            header["mx"] = mx
+            header["mx"] = [list(ext.labels), list(ext.sizes)]
         if port is not None:
             header["port"] = [port.owner, port.port_id]
             for index, target in enumerate(targets):
                 if route_id(target.proc) not in self._failed:
                     mi = message_extent[1][index] if message_extent is not None else index
-                    self._deliver(target.proc, dict(header, rank=target.rank, mi=mi), body, buffers)
+                    self._deliver(target.proc, {**header, "rank": target.rank, "mi": mi}, body, buffers)
             return None
         if not want_reply:
             for index, target in enumerate(targets):
                 if route_id(target.proc) not in self._failed:
-                    h = dict(header, rank=target.rank)
-                    if mx is not None:
+                    h: CallHeader = {**header, "rank": target.rank}
+                    if message_extent is not None:
                         h["mi"] = message_extent[1][index]
                     self._deliver(target.proc, h, body, buffers)
             return None
@@ -144,27 +142,31 @@ class Messenger:
         kind: str,
         actor: str,
         body: bytes,
-        buffers: list,
+        buffers: list[memoryview],
         *,
         extent: Extent | None,
         endpoint: str = "__init__",
         want_reply: bool = True,
         even_if_failed: bool = False,
-        extra: dict | None = None,
-    ) -> Future | None:
+        extra: SpawnFlags | None = None,
+    ) -> Future[Any] | None:
         """Send an already-pickled ``kind`` message (a spawn, a plugin's request) to each target.
 
         ``even_if_failed`` sends to procs marked failed (respawning actors on a restarted proc).
         """
-        header = {"kind": kind, "actor": actor, "ep": endpoint, **(extra or {})}
+        header: CallHeader = {"kind": kind, "actor": actor, "ep": endpoint}
+        if extra:
+            header.update(extra)
         if not want_reply:
             for target in targets:
                 if even_if_failed or route_id(target.proc) not in self._failed:
-                    self._deliver(target.proc, dict(header, rank=target.rank), body, buffers)
+                    self._deliver(target.proc, {**header, "rank": target.rank}, body, buffers)
             return None
-        return self._call(targets, header, body, buffers, extent, False, None, even_if_failed)
+        future = self._call(targets, header, body, buffers, extent, False, None, even_if_failed)
+        assert not isinstance(future, list)  # not a stream
+        return future
 
-    def control(self, dst: str, op: str, payload: Any) -> Future:
+    def control(self, dst: str, op: str, payload: Any) -> Future[Any]:
         """Ask process ``dst`` (the controller) to do ``op`` with ``payload``; a Future of its answer.
 
         Raises:
@@ -172,19 +174,19 @@ class Messenger:
         """
         body, buffers = dumps(payload)
         target = Target(dst, -1, {})
-        future = self._call([target], {"kind": Kind.CONTROL, "op": op, "actor": "", "ep": op}, body, buffers, None,
-                            False, None, True)
+        header: ControlHeader = {"kind": Kind.CONTROL, "op": op, "actor": "", "ep": op}
+        future = self._call([target], header, body, buffers, None, False, None, True)
         assert isinstance(future, Future)
         return future
 
-    def _call(self, targets: Sequence[Target], header: dict, body: bytes, buffers: list, extent: Extent | None,
-              stream: bool, message_extent: tuple | None, even_if_failed: bool = False,
-              display: str | None = None) -> Future | list[Future]:
+    def _call(self, targets: Sequence[Target], header: CallHeader, body: bytes, buffers: list[memoryview], extent: Extent | None,
+              stream: bool, message_extent: tuple[Extent, list[int]] | None, even_if_failed: bool = False,
+              display: str | None = None) -> Future[Any] | list[Future[Any]]:
         cid = f"{self.identity}:{next(self._ids)}"
-        streams = None
+        streams: list[Future[Any]] | None = None
+        future: Future[Any] | None = None
         if stream:
             streams = [Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead) for _ in targets]
-            future = None
         else:
             future = Future(on_cancel=lambda: self._forget(cid), lead=self.channel.lead)
         pending = _PendingCall(list(targets), header["actor"], header["ep"], extent, future, streams)
@@ -199,15 +201,18 @@ class Messenger:
             if failure is not None:
                 self._complete(cid, index, error=self._proc_error(pending, target, failure))
                 continue
-            h = dict(header, idx=index, rank=target.rank)
+            h: CallHeader = {**header, "idx": index, "rank": target.rank}
             if message_extent is not None:
                 h["mi"] = message_extent[1][index]
             self._deliver(target.proc, h, body, buffers)
         if not targets and future is not None:
             future._inner.set_result(ValueMesh(extent, []) if extent is not None else None)
-        return streams if streams is not None else future
+        if streams is not None:
+            return streams
+        assert future is not None
+        return future
 
-    def _deliver(self, dst: str, header: dict, body: bytes, buffers: list) -> None:
+    def _deliver(self, dst: str, header: CallHeader | PortHeader, body: bytes, buffers: list[memoryview]) -> None:
         local = self.local.get(dst)
         if local is not None:
             header["src"] = self.identity
@@ -221,7 +226,7 @@ class Messenger:
             self._pending.pop(cid, None)
 
     # -- replies --------------------------------------------------------------------------------
-    def on_reply(self, header: dict, body: Any, buffers: list) -> None:
+    def on_reply(self, header: ReplyHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle a ``reply`` message (IO thread, or a local actor's thread)."""
         cid, index = header.get("cid"), header.get("idx")
         pending = self._pending.get(cid)
@@ -262,6 +267,7 @@ class Messenger:
             if not inner.done():
                 inner.set_exception(error) if error is not None else inner.set_result(value)
             return
+        assert pending.future is not None  # not a stream: one Future for every reply
         inner = pending.future._inner
         if inner.done():
             return
@@ -301,12 +307,12 @@ class Messenger:
                 body, buffers = dumps(RuntimeError(f"{type(value).__name__}: {value}"))
         else:
             body, buffers = dumps(value)
-        header = {"kind": Kind.PORT, "port": port_id, "ok": ok}
+        header: PortHeader = {"kind": Kind.PORT, "port": port_id, "ok": ok}
         if rank is not None:
             header["prank"] = rank
         self._deliver(owner, header, body, buffers)
 
-    def on_port(self, header: dict, body: Any, buffers: list) -> None:
+    def on_port(self, header: PortHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle a ``port`` message: a value (or an error) for a port opened here."""
         receiver = self._ports.get(header.get("port", ""))
         if receiver is None:
@@ -321,7 +327,7 @@ class Messenger:
             value = error_from_reply(value, header.get("prank", -1), {}, "port", header.get("port", ""))
         receiver._deliver(ok, value, header.get("prank"))
 
-    def _note_port_holders(self, ports: list, targets: Sequence[Target]) -> None:
+    def _note_port_holders(self, ports: list[Port[Any]], targets: Sequence[Target]) -> None:
         procs = {route_id(t.proc) for t in targets}
         for port in ports:
             if port.owner == self.route:
@@ -365,7 +371,7 @@ class Messenger:
         """Procs known failed now (routing identity -> the error), not yet recovered."""
         return dict(self._failed)
 
-    def fail_all(self, error_factory) -> None:
+    def fail_all(self, error_factory: Callable[[Target], BaseException]) -> None:
         """Fail every in-flight call (the channel is closing)."""
         with self._lock:
             hits = [(cid, i) for cid, p in self._pending.items() for i in p.outstanding]
@@ -374,7 +380,7 @@ class Messenger:
             if pending is not None:
                 self._complete(cid, index, error=error_factory(pending.targets[index]))
 
-    def fail_calls_to(self, procs: set[str], error_factory) -> None:
+    def fail_calls_to(self, procs: set[str], error_factory: Callable[[Target], BaseException]) -> None:
         """Fail the in-flight calls to ``procs`` (a mesh was stopped)."""
         procs = {route_id(p) for p in procs}
         with self._lock:

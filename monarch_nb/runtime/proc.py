@@ -45,20 +45,20 @@ from ..actor.shape import Extent
 from ..errors import SupervisionError
 from ..transport.channel import Channel
 from ..transport.keys import load_trust
-from ..transport.wire import Signer, route_id
+from ..transport.wire import Header, Signer, route_id
 from . import import_grace
 from .actor_host import ActorHost
+from .actors import ActorRunner
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
-from .protocol import CONTROLLER, Kind, ProcEnv
+from .protocol import (CONTROLLER, CallHeader, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
+                       LogLevelHeader, PeerHeader, ProcEnv, RendezvousHeader)
 
 __all__ = ["Proc", "CallHook", "Plugin", "PeerFailure", "current", "main"]
 
 log = logging.getLogger("monarch_nb.proc")
 
 PR_SET_PDEATHSIG = 1
-
-Handler = Callable[[dict, Any, list], None]
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Proc:
         env: the proc's environment (:class:`~monarch_nb.runtime.protocol.ProcEnv`).
     """
 
-    def __init__(self, identity: str, env: ProcEnv):
+    def __init__(self, identity: str, env: ProcEnv) -> None:
         self.identity = identity
         self.mesh_name, rank = identity.rsplit(".", 1)
         self.rank = int(rank)
@@ -133,7 +133,7 @@ class Proc:
                               lead=self.channel.lead, wake=self.channel.wake)
         self.messenger.local[identity] = self.host.dispatch  # an actor calling an actor of this proc
         self.identity_route = route_id(identity)
-        self._heartbeat_fields: list[Callable[[], dict]] = []
+        self._heartbeat_fields: list[Callable[[], HeartbeatFields]] = []
         self._peer_failure_hooks: list[Callable[[PeerFailure], None]] = []
         #: peers of this proc's mesh that failed, in the order heard (``%%mesh`` cells name them)
         self.peer_failures: list[PeerFailure] = []
@@ -146,9 +146,9 @@ class Proc:
             Kind.PORT: self.messenger.on_port,
             Kind.PROC_FAILED: self._on_proc_failed,
             Kind.RENDEZVOUS: self._on_rendezvous,
-            Kind.PROC_RECOVERED: lambda header, body, buffers: self.messenger.proc_recovered(header["proc"]),
+            Kind.PROC_RECOVERED: self._on_proc_recovered,
             Kind.INTERRUPT: self._on_interrupt,
-            Kind.LOG_LEVEL: lambda header, body, buffers: logging.getLogger().setLevel(int(header["level"])),
+            Kind.LOG_LEVEL: self._on_log_level,
             Kind.STOP: lambda header, body, buffers: self.stop(),
         }
         self._stopping = False
@@ -159,12 +159,12 @@ class Proc:
         backend.install(self)
 
     @property
-    def actors(self) -> dict:
+    def actors(self) -> dict[str, ActorRunner]:
         """Actor id -> its runner (``name``, ``thread``, ``current``, ``instance``)."""
         return self.host.runners
 
     @property
-    def call_hooks(self) -> list:
+    def call_hooks(self) -> list[CallHook]:
         return self.host.call_hooks
 
     # -- plugins ---------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class Proc:
         """Run ``hook`` around every endpoint call."""
         self.host.call_hooks.append(hook)
 
-    def add_heartbeat_field(self, fields: Callable[[], dict]) -> None:
+    def add_heartbeat_field(self, fields: Callable[[], HeartbeatFields]) -> None:
         """Merge ``fields()`` into every heartbeat (e.g. ``{"paused": [...]}``)."""
         self._heartbeat_fields.append(fields)
 
@@ -189,19 +189,19 @@ class Proc:
         """Call ``hook(failure)`` on the IO thread (it must not block) when a peer proc fails."""
         self._peer_failure_hooks.append(hook)
 
-    def send_to_controller(self, header: dict, body: bytes = b"") -> None:
+    def send_to_controller(self, header: Header, body: bytes = b"") -> None:
         """Send a message of a plugin's kind (e.g. ``fault_fired``) to the controller."""
         self.channel.send(CONTROLLER, header, body)
 
     # -- IO thread -------------------------------------------------------------------------------
-    def _on_message(self, header: dict, body: Any, buffers: list, frames: list) -> None:
+    def _on_message(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any]) -> None:
         handler = self._handlers.get(header["kind"])
         if handler is None:
             log.warning("unknown message kind %r from %s", header["kind"], header["src"])
             return
         handler(header, body, buffers)
 
-    def _on_proc_failed(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_proc_failed(self, header: PeerHeader, body: Any, buffers: list[memoryview]) -> None:
         info = json.loads(bytes(body)) if body else {}
         error = SupervisionError(info.get("rank", -1), info.get("cause", "failed"), info.get("detail", ""), info.get("signal"))
         self.messenger.proc_failed(header["proc"], error)
@@ -216,12 +216,18 @@ class Proc:
             except Exception:
                 log.exception("a peer-failure hook failed")
 
-    def _on_rendezvous(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_proc_recovered(self, header: PeerHeader, body: Any, buffers: list[memoryview]) -> None:
+        self.messenger.proc_recovered(header["proc"])
+
+    def _on_log_level(self, header: LogLevelHeader, body: Any, buffers: list[memoryview]) -> None:
+        logging.getLogger().setLevel(int(header["level"]))
+
+    def _on_rendezvous(self, header: RendezvousHeader, body: Any, buffers: list[memoryview]) -> None:
         """A new rendezvous round of this mesh: ``env://`` finds a fresh store from now on."""
         os.environ.update(MASTER_ADDR=str(header["addr"]), MASTER_PORT=str(header["port"]),
                           TORCHELASTIC_RESTART_COUNT=str(header["round"]))
 
-    def _on_interrupt(self, header: dict, body: Any, buffers: list) -> None:
+    def _on_interrupt(self, header: InterruptHeader, body: Any, buffers: list[memoryview]) -> None:
         runner = self.actors.get(header.get("actor", ""))
         if runner is not None:
             runner.interrupt()
@@ -230,7 +236,7 @@ class Proc:
         """Send a heartbeat now (any thread): what runs, plus the plugins' fields."""
         now = time.monotonic()
         busy = {name: [r.current[0], round(now - r.current[1], 3)] for name, r in list(self.actors.items()) if r.current}
-        hb: dict = {"kind": Kind.HEARTBEAT, "busy": busy}
+        hb: HeartbeatHeader = {"kind": Kind.HEARTBEAT, "busy": busy}
         for fields in self._heartbeat_fields:
             hb.update(fields())
         loading = import_grace.loading()  # a heavy import may hold the GIL for seconds: not a hang
@@ -239,7 +245,7 @@ class Proc:
         self.channel.send(CONTROLLER, hb)
 
     # -- any thread ------------------------------------------------------------------------------
-    def reply(self, header: dict, ok: bool, value: Any) -> None:
+    def reply(self, header: CallHeader, ok: bool, value: Any) -> None:
         """Answer the request ``header`` (a plugin's request, or a call)."""
         self.host.reply(header, ok, value)
 
@@ -257,7 +263,7 @@ class Proc:
         self.channel.close()  # the main thread's IO loop returns: main() returns, the interpreter finalizes
 
     # -- the actor API's backend, inside a worker ------------------------------------------------
-    def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple, kwargs: dict, *,
+    def send(self, targets: Sequence[Target], actor: str, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
              extent: Extent | None, want_reply: bool = True, **how: Any) -> Any:
         return self.messenger.send(targets, actor, endpoint, args, kwargs, extent=extent, want_reply=want_reply, **how)
 
@@ -339,7 +345,8 @@ class Proc:
             trust = load_trust(self.env.curve_dir).with_key(bytes.fromhex(self.env.key_hex))
         self.channel.connect(self.env.controller, trust)
         self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
-        self.channel.send(CONTROLLER, {"kind": Kind.HELLO, "pid": os.getpid()})
+        hello: HelloHeader = {"kind": Kind.HELLO, "pid": os.getpid()}
+        self.channel.send(CONTROLLER, hello)
         self.channel.run_forever()
 
 

@@ -25,7 +25,7 @@ from .hosts import AttachError
 from ..supervision.policy import SupervisionPolicy
 from ..supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
 from .launch import proc_specs, spare_proc_env
-from .protocol import Kind
+from .protocol import Kind, RendezvousHeader
 from .rendezvous import LazyStore
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class ProcMeshes:
                               f"attached again within {host_return_s():.0f} s; spawn again once it is back")
         again = [r for r in records if r.host == host and r.state == ProcState.FAILED]
         for rec in again:
-            rec.state = ProcState.RESTARTING  # its hello respawns no actor (none yet) and tells its peers
+            rec.move(ProcState.RESTARTING, "host returned")  # its hello respawns no actor (none yet) and tells its peers
             rec.restarts += 1
             rec.ready.clear()
             ctrl.record_event("proc_restarting", rec, detail=f"host {host} is back; starting it again", cause="host_returned")
@@ -231,10 +231,10 @@ class ProcMeshes:
             for rec in recs:
                 rec.spec["env"]["extra"].update(MASTER_PORT=str(store.port),
                                                 TORCHELASTIC_RESTART_COUNT=str(record.rendezvous_round))
-        header = {"kind": Kind.RENDEZVOUS, "addr": store.host, "port": store.port, "round": record.rendezvous_round}
+        header: RendezvousHeader = {"kind": Kind.RENDEZVOUS, "addr": store.host, "port": store.port, "round": record.rendezvous_round}
         for rec in recs:
             if rec.alive and rec.state != ProcState.RESTARTING:
-                ctrl.channel.send(rec.identity, dict(header))
+                ctrl.channel.send(rec.identity, header.copy())
 
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:
         """Ask ``host``'s agent to keep ``count`` warm spares for ``mesh`` (0: retire them)."""
@@ -256,7 +256,7 @@ class ProcMeshes:
                 self._keep_spares(host, mesh, records[0].spec, 0, ())
         for rec in records:
             if rec.alive:
-                rec.state = ProcState.STOPPING
+                rec.move(ProcState.STOPPING, "stop")
                 ctrl.channel.send(rec.identity, {"kind": Kind.STOP})
         deadline = time.monotonic() + (config.stop_timeout_s if timeout_s is None else timeout_s)
         while any(r.alive for r in records) and time.monotonic() < deadline:
@@ -297,14 +297,14 @@ class ProcMeshes:
         self.new_round(rec.mesh)
         if rec.state in (ProcState.HEALTHY, ProcState.BUSY, ProcState.HUNG, ProcState.STARTING):
             rec.fenced = rec.fenced or rec.state == ProcState.HUNG
-            rec.state = ProcState.RESTARTING
+            rec.move(ProcState.RESTARTING, "restart: killing the old incarnation")
             rec.restart_kill_pid = rec.pid
             ctrl.signal_proc(rec.identity, "SIGKILL")
             deadline = time.monotonic() + 5.0
             while rec.exit_info is None and time.monotonic() < deadline:
                 time.sleep(0.005)
             ctrl.messenger.proc_failed(rec.identity, SupervisionError(rec.rank, "restarting", "the proc is being restarted"))
-        rec.state = ProcState.RESTARTING
+        rec.move(ProcState.RESTARTING, "restart")
         rec.restarts += 1
         rec.ready.clear()
         ctrl.record_event("proc_restarting", rec, detail=f"restart {rec.restarts}", cause="restart")

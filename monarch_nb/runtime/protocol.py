@@ -4,8 +4,11 @@ Controller, host agents and procs agree on exactly what is here and nothing else
 
 - :class:`Kind`: every message kind, an enum whose members are their wire strings (``Kind.CALL ==
   "call"``), so a dispatch table keyed by ``Kind`` is indexed by the raw header field directly.
-  The ``*Header`` TypedDicts document each kind's header fields (beyond ``kind``, ``src``,
-  ``dst``, ``seq``, ``nbuf``, which :mod:`monarch_nb.transport.wire` adds to every message).
+  The ``*Header`` TypedDicts are each kind's header: they extend
+  :class:`~monarch_nb.transport.wire.Header` (``kind``, and the ``src``, ``dst``, ``seq``,
+  ``nbuf`` the transport adds to every message). Headers are built as them, and each handler
+  of a kind declares its kind's type. Kinds with no field of their own (STOP, SHUTDOWN,
+  SPAWN_PROCS, KEEP_SPARES, CONTROLLER_HEARTBEAT: a JSON body, or nothing) are a plain ``Header``.
 - :data:`FAULT_KINDS` and :func:`validate_fault`: which faults exist, their parameters and
   defaults, and which are delivered as a signal by the host agent (the rest act in the proc).
 - :class:`ProcEnv` / :class:`AgentEnv`: the environment a proc / host agent is started with,
@@ -18,7 +21,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Mapping, TypedDict
+from typing import Any, Callable, Mapping, TypedDict
+
+from ..transport.wire import Header
 
 __all__ = [
     "Kind",
@@ -44,7 +49,7 @@ class Kind(str, Enum):
     REPLY = "reply"  # the answer to a call or spawn (ReplyHeader), to the caller
     PORT = "port"  # a value for a port (PortHeader), to the process that opened it
     STOP_ACTORS = "stop_actors"  # stop an actor mesh's actors on this proc (CallHeader, ep "__stop__"), replied
-    SUPERVISE = "supervise"  # a MeshFailure for an owner actor's __supervise__ (SuperviseHeader + pickled body)
+    SUPERVISE = "supervise"  # a MeshFailure for an owner actor's __supervise__ (CallHeader: actor; + pickled body)
     LOG_LEVEL = "log_level"  # set the root logger's level (LogLevelHeader)
     # controller -> proc: control
     STOP = "stop"  # exit cleanly (actors' __cleanup__ run)
@@ -53,7 +58,7 @@ class Kind(str, Enum):
     PROC_RECOVERED = "proc_recovered"  # a peer proc serves again (PeerHeader)
     RENDEZVOUS = "rendezvous"  # the mesh's membership changed: a new rendezvous round (RendezvousHeader)
     FAULT = "fault"  # an in-proc fault to apply (FaultHeader); handled by the faults plugin
-    DEBUG = "debug"  # a debugger request (a call with a pickled body); handled by the debug plugin
+    DEBUG = "debug"  # a debugger request (CallHeader: a call with a pickled body); handled by the debug plugin
     # proc -> controller
     HELLO = "hello"  # the proc is up (HelloHeader)
     HEARTBEAT = "hb"  # alive, and what runs (HeartbeatHeader)
@@ -83,96 +88,111 @@ class Kind(str, Enum):
         return self.value
 
 
-class CallHeader(TypedDict, total=False):
+#: ``handler(header, body, buffers)`` for one kind of message. A dispatch table keyed by
+#: :class:`Kind` picks it, so each handler declares its kind's header type (``HelloHeader``, ...).
+Handler = Callable[[Any, Any, list[memoryview]], None]
+
+#: SPAWN's field whose name is a Python keyword (so not declarable in a class body).
+SpawnFlags = TypedDict("SpawnFlags", {"async": int}, total=False)  # 1: the actor's endpoints are async
+
+
+class CallHeader(Header, SpawnFlags, total=False):
+    """A message for an actor: CALL, SPAWN (ep ``"__init__"``), STOP_ACTORS (ep ``"__stop__"``),
+    SUPERVISE (``actor`` only: the owner's mesh id on this proc), a plugin's request (DEBUG)."""
+
     actor: str  # the actor mesh's name
     ep: str  # the endpoint
     rank: int  # the target's flat rank
     cid: str  # call id (absent for broadcast: no reply wanted)
     reply_to: str  # the caller's identity
     idx: int  # the target's index in the call
-    port: list  # [owner, port id]: the reply goes to this port instead (send(..., port=))
-    mx: list  # [labels, sizes] of the slice the call went to, when not the spawn mesh (current_rank)
+    port: list[str]  # [owner, port id]: the reply goes to this port instead (send(..., port=))
+    mx: list[list[Any]]  # [labels, sizes] of the slice the call went to, when not the spawn mesh (current_rank)
     mi: int  # the target's index in that slice
     asep: int  # 1: call a method not marked @endpoint (as_endpoint)
+    _done: bool  # set where the call is served, once it was answered (never sent)
 
 
-class ReplyHeader(TypedDict):
+class ControlHeader(CallHeader):
+    """A request an actor makes of the controller (CONTROL): a call of endpoint ``op`` of actor ``""``."""
+
+    op: str  # spawn_procs, spawn_actors, stop_actors, stop_procs, initialized, get_or_spawn_controller, ...
+
+
+class ReplyHeader(Header):
     cid: str
     idx: int
     ok: bool
 
 
-class PortHeader(TypedDict, total=False):
+class PortHeader(Header, total=False):
     port: str  # the port's id at its owner
     ok: bool  # False: the body is an exception for the receiver
     prank: int  # the sender's rank, for replies sent to a port (absent for port.send)
 
 
-class SuperviseHeader(TypedDict):
-    actor: str  # the owner actor mesh's id on this proc
-
-
-class ActorFailedHeader(TypedDict):
+class ActorFailedHeader(Header):
     actor: str  # the failed actor mesh's id
     rank: int  # the failed actor's rank in its mesh
 
 
-class ControlHeader(TypedDict):
-    op: str  # spawn_procs, spawn_actors, stop_actors, stop_procs, initialized, get_or_spawn_controller, ...
-    cid: str
-    reply_to: str
-    idx: int
-
-
-class LogLevelHeader(TypedDict):
+class LogLevelHeader(Header):
     level: int
 
 
-class InterruptHeader(TypedDict):
+class InterruptHeader(Header):
     actor: str
 
 
-class PeerHeader(TypedDict):
+class PeerHeader(Header):
+    """PROC_FAILED (a JSON body: rank, cause, detail, signal) and PROC_RECOVERED."""
+
     proc: str  # the peer's identity
 
 
-class FaultHeader(TypedDict):
+class FaultHeader(Header):
     fault: str
-    params: dict
+    params: dict[str, Any]
 
 
-class HelloHeader(TypedDict):
+class HelloHeader(Header):
     pid: int
 
 
-class HeartbeatHeader(TypedDict, total=False):
-    busy: dict  # actor -> [endpoint, seconds running]
-    paused: list  # breakpoint sessions holding actors (debug plugin)
-    loading: list  # heavy modules being imported (the GIL may be held for seconds)
+class HeartbeatFields(TypedDict, total=False):
+    """A heartbeat's fields (a plugin adds its own: ``Proc.add_heartbeat_field``)."""
+
+    busy: dict[str, list[Any]]  # actor -> [endpoint, seconds running]
+    paused: list[dict[str, Any]]  # breakpoint sessions holding actors (debug plugin)
+    loading: list[str]  # heavy modules being imported (the GIL may be held for seconds)
 
 
-class ActorErrorHeader(TypedDict):
+class HeartbeatHeader(Header, HeartbeatFields, total=False):
+    pass
+
+
+class ActorErrorHeader(Header):
     actor: str
     ep: str
     detail: str
 
 
-class FaultFiredHeader(TypedDict):
+class FaultFiredHeader(Header):
     fault: str
     detail: str
 
 
-class SignalHeader(TypedDict):
+class SignalHeader(Header):
     proc: str
     signal: str
 
 
-class AgentHelloHeader(TypedDict):
+class AgentHelloHeader(Header):
     pid: int
     host: str
 
 
-class AttachHeader(TypedDict):
+class AttachHeader(Header):
     controller: str  # the address the host agent and its procs connect to
     run_id: str  # the controller's run (the same run may attach a host it lost again)
     name: str  # the host's name in the tree
@@ -186,7 +206,7 @@ class AttachHeader(TypedDict):
     controller_pid: int
 
 
-class AttachedHeader(TypedDict, total=False):
+class AttachedHeader(Header, total=False):
     ok: bool
     error: str
     attached_as: str  # refused: this worker already serves this controller as that host
@@ -196,37 +216,37 @@ class AttachedHeader(TypedDict, total=False):
     ip: str  # the host's address on the interface that reaches the controller
     iface: str  # that interface's name
     cores: int
-    gpus: dict  # {"vendor", "count"}
+    gpus: dict[str, Any]  # {"vendor", "count"}
     machine: str  # the kernel's boot id: hosts that share it share CPUs (network namespaces, local jobs)
 
 
-class AgentHeartbeatHeader(TypedDict):
+class AgentHeartbeatHeader(Header):
     load: float  # runnable procs of this host per core (1.0: every core busy)
-    stopped: list  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
+    stopped: list[str]  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
 
 
-class RendezvousHeader(TypedDict):
+class RendezvousHeader(Header):
     addr: str  # MASTER_ADDR from now on
     port: int  # MASTER_PORT from now on: a fresh store, with none of the previous round's keys
     round: int  # TORCHELASTIC_RESTART_COUNT from now on (torchrun's restart count)
 
 
-class AgentExitingHeader(TypedDict):
+class AgentExitingHeader(Header):
     why: str  # what made it exit ("its worker loop exited", "the controller was silent for 4.0 s")
 
 
-class SparesHeader(TypedDict):
+class SparesHeader(Header):
     mesh: str
-    spares: list  # [{"pid": int, "ready": bool}]
+    spares: list[dict[str, Any]]  # [{"pid": int, "ready": bool}]
 
 
-class ProcSpawnedHeader(TypedDict, total=False):
+class ProcSpawnedHeader(Header, total=False):
     proc: str
     pid: int
     spare: bool  # a warm spare took the rank's place
 
 
-class ProcExitedHeader(TypedDict, total=False):
+class ProcExitedHeader(Header, total=False):
     proc: str
     pid: int
     returncode: int
@@ -235,7 +255,7 @@ class ProcExitedHeader(TypedDict, total=False):
     time: float
 
 
-class OutputHeader(TypedDict):
+class OutputHeader(Header):
     proc: str
     rank: int
     stream: str  # "stdout" or "stderr"
@@ -334,17 +354,17 @@ class ProcEnv:
     world_size: int = 1
     local_world_size: int = 1
     group_rank: int = 0
-    coords: dict = field(default_factory=dict)
-    extent: dict = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=dict)
+    extent: dict[str, int] = field(default_factory=dict)
     heartbeat_interval_s: float = 0.25
     run_id: str = ""
-    sys_path: list = field(default_factory=list)
+    sys_path: list[str] = field(default_factory=list)
     key_hex: str = ""
     agent_pid: int = 0
     import_lock_dir: str = ""
     import_slots: int = 0
     curve_dir: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)
 
     def to_env(self) -> dict[str, str]:
         """The variables to start the proc with (merge over the agent's own environment)."""
@@ -373,7 +393,7 @@ class ProcEnv:
             env[_PREFIX + "CURVE_DIR"] = self.curve_dir
         return env
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod

@@ -70,6 +70,7 @@ class Supervisor:
         mesh = ctrl.meshes.get(rec.mesh)
         if mesh is None or mesh.stopped:
             return
+        assert mesh.supervision is not None  # every proc mesh gets one when it is spawned
         decision = decide(mesh.supervision, failure)
         if decision.action == "escalate":
             self._escalate(rec, failure, decision.detail)

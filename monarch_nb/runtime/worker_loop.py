@@ -24,6 +24,7 @@ It refuses to listen on a non-loopback address without a key.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import json
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -44,7 +45,7 @@ from ..transport.channel import curve_server
 from ..transport.keys import Trust, load_trust, unseal
 from ..transport.wire import BadMessage, Signer, decode, encode
 from .launch import RUN_DIR_PREFIX, package_root, sweep_stale_run_dirs
-from .protocol import CONTROLLER, AgentEnv, AgentExit, Kind
+from .protocol import CONTROLLER, AgentEnv, AgentExit, AttachedHeader, AttachHeader, Kind
 
 __all__ = ["run_worker_loop_forever", "LOOPBACK_KEY", "ATTACH_MAX_AGE_S", "Attachment", "machine_id"]
 
@@ -158,7 +159,7 @@ class WorkerLoop:
         self.trust = trust_for(address, ca)
         self.signer = Signer(self.trust.hmac_key)
         self.name = name or socket.gethostname()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -170,7 +171,7 @@ class WorkerLoop:
                 raise OSError(f"{address} is already in use (another worker there?): "
                               "pick another port, or stop what listens on it") from None
             raise OSError(f"cannot listen on {address}: {exc}") from None
-        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sweep_stale_run_dirs()  # a loop killed before it could clean up: its status file, its agent's folder
         self.agent: subprocess.Popen | None = None
         self.attachment: Attachment | None = None
@@ -204,33 +205,37 @@ class WorkerLoop:
         agent, attachment = self.agent, self.attachment
         self.agent, self.attachment = None, None
         code = agent.returncode if agent is not None else None
-        try:
-            why = AgentExit(code).why
-        except ValueError:
-            why = f"its host agent exited with status {code}"
+        why = f"its host agent exited with status {code}"
+        if code is not None:
+            with contextlib.suppress(ValueError):  # not one of AgentExit's statuses
+                why = AgentExit(code).why
         if attachment is not None:
             log.info("the controller of %s left after %s: %s; waiting for a controller", attachment.describe(),
                      _duration(time.time() - attachment.since), why)
         sweep_stale_run_dirs()  # its folder, if it was killed
 
-    def _reply(self, peer: bytes, header: dict) -> None:
+    def _reply(self, peer: bytes, header: AttachedHeader) -> None:
         self._seq += 1
-        header.update(src=self.name, dst=CONTROLLER, seq=self._seq)
+        header["src"], header["dst"], header["seq"] = self.name, CONTROLLER, self._seq
         self.sock.send_multipart([peer, *encode(self.signer, header)])
 
-    def _refuse(self, peer: bytes, error: str, **fields: Any) -> None:
-        self._reply(peer, {"kind": Kind.ATTACHED, "ok": False, "error": error, **fields})
+    def _refuse(self, peer: bytes, error: str, attached_as: str = "") -> None:
+        header: AttachedHeader = {"kind": Kind.ATTACHED, "ok": False, "error": error}
+        if attached_as:
+            header["attached_as"] = attached_as
+        self._reply(peer, header)
 
-    def _handle(self, peer: bytes, frames: list) -> None:
+    def _handle(self, peer: bytes, frames: list[Any]) -> None:
         try:
-            header, _body, _buffers = decode(self.signer, frames)
+            received, _body, _buffers = decode(self.signer, frames)
         except BadMessage as exc:  # unsigned, forged, malformed: never unpickled, never answered
             self.dropped += 1
             log.warning("dropped a bad message on %s: %s", self.address, exc)
             return
-        if header.get("kind") != Kind.ATTACH:
+        if received.get("kind") != Kind.ATTACH:
             self.dropped += 1
             return
+        header = cast(AttachHeader, received)  # its kind says so; its fields are read with care all the same
         now = time.time()
         self._nonces = {n: t for n, t in self._nonces.items() if now - t < 2 * ATTACH_MAX_AGE_S}
         nonce = str(header.get("nonce", ""))

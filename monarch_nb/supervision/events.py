@@ -11,7 +11,7 @@ import logging
 import threading
 import time as _time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["Event", "EventLog", "EVENT_KINDS"]
 
@@ -61,7 +61,7 @@ class Event:
 
     kind: str
     rank: int = -1
-    coords: dict = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=dict)
     pid: int = 0
     time: float = field(default_factory=_time.time)
     detail: str = ""
@@ -71,14 +71,14 @@ class Event:
     seq: int = -1
     monotonic: float = field(default_factory=_time.monotonic)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class EventLog:
     """Append-only, ordered, thread-safe; subscribers are called on the appending thread."""
 
-    def __init__(self, max_events: int = 100_000):
+    def __init__(self, max_events: int = 100_000) -> None:
         self._events: list[Event] = []
         self._lock = threading.Condition()
         self._subscribers: list[Callable[[Event], None]] = []

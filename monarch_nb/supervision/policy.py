@@ -77,7 +77,7 @@ class Failure:
 
     mesh: str
     rank: int
-    coords: dict
+    coords: dict[str, int]
     pid: int
     cause: str
     signal: str | None
@@ -108,7 +108,7 @@ class SupervisionPolicy:
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
     owner: Any = None
-    auto_restarts: dict = field(default_factory=dict)  # rank -> automatic restarts so far
+    auto_restarts: dict[int, int] = field(default_factory=dict)  # rank -> automatic restarts so far
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -126,14 +126,15 @@ class SupervisionPolicy:
         """The owner's ``__supervise__`` (or the owner itself if it is a plain callable)."""
         if self.owner is None:
             return None
-        method = getattr(self.owner, "__supervise__", None)
+        method: Callable[[Failure], Any] | None = getattr(self.owner, "__supervise__", None)
         if callable(method):
             return method
-        return self.owner if callable(self.owner) else None
+        owner: Callable[[Failure], Any] | None = self.owner if callable(self.owner) else None
+        return owner
 
     def backoff_for(self, rank: int) -> float:
         """Seconds to wait before the next automatic restart of ``rank``."""
-        return min(self.backoff_max_s, self.backoff_s * (2 ** self.auto_restarts.get(rank, 0)))
+        return min(self.backoff_max_s, self.backoff_s * (2.0 ** self.auto_restarts.get(rank, 0)))
 
 
 @dataclass(frozen=True)

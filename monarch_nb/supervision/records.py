@@ -3,7 +3,8 @@
 Plain data, written by the runtime (the controller's IO and supervisor threads) and read by the
 supervision tree, the widgets, the debugger and the training loop. States are a
 :class:`ProcState` enum whose members are their strings, so they compare with and serialise as
-``"healthy"``, ``"failed"``, ...
+``"healthy"``, ``"failed"``, ... A proc's state changes only through :meth:`ProcRecord.move`,
+which checks the move against :data:`MOVES`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..transport.wire import route_id
+
+if TYPE_CHECKING:
+    from .policy import Failure, SupervisionPolicy
 
 __all__ = [
     "ProcState",
     "ALIVE",
     "SERVING",
+    "MOVES",
+    "RACY_MOVES",
     "ProcRecord",
     "ActorSpawn",
     "ProcMeshRecord",
@@ -52,6 +58,47 @@ ALIVE = frozenset({ProcState.STARTING, ProcState.HEALTHY, ProcState.BUSY, ProcSt
 #: States in which a proc answers calls.
 SERVING = frozenset({ProcState.HEALTHY, ProcState.BUSY})
 
+_S = ProcState
+#: The moves the runtime makes, state -> the states it may move to (and who moves it):
+#: ``hello``, ``heartbeat``, ``exit``, the hang timer (``hung``) and a lost host
+#: (:mod:`monarch_nb.runtime.liveness`), a failed actor respawn, ``restart`` and ``stop``
+#: (:mod:`monarch_nb.runtime.proc_meshes`). STARTING is only a record's first state; PAUSED is
+#: the tree's (a proc held at breakpoint()), never a record's. A hello and an exit come from
+#: different senders (the proc, its host agent), so either may be handled first: hence the
+#: moves to HEALTHY from FAILED, STOPPING and STOPPED.
+_SEQUENTIAL: dict[ProcState, frozenset[ProcState]] = {
+    _S.STARTING: frozenset({_S.HEALTHY, _S.FAILED, _S.RESTARTING, _S.STOPPING}),  # hello; exit, lost host; restart; stop
+    _S.HEALTHY: frozenset({_S.HEALTHY, _S.BUSY, _S.HUNG, _S.FAILED, _S.RESTARTING, _S.STOPPING}),  # heartbeat; hung; ...
+    _S.BUSY: frozenset({_S.HEALTHY, _S.BUSY, _S.HUNG, _S.FAILED, _S.RESTARTING, _S.STOPPING}),
+    _S.HUNG: frozenset({_S.HEALTHY, _S.BUSY, _S.FAILED, _S.RESTARTING, _S.STOPPING}),  # heartbeats again (not fenced)
+    # a hello handled after the exit; the exit of a proc whose actors failed to respawn; a restart
+    _S.FAILED: frozenset({_S.HEALTHY, _S.FAILED, _S.RESTARTING}),
+    # the new incarnation's hello; it died, its host was lost, its actors failed to respawn; a
+    # restart again (the last one timed out); stop
+    _S.RESTARTING: frozenset({_S.HEALTHY, _S.FAILED, _S.RESTARTING, _S.STOPPING}),
+    # exit, lost host; the hello of a proc stopped while it started; a respawn that failed meanwhile
+    _S.STOPPING: frozenset({_S.STOPPED, _S.HEALTHY, _S.FAILED}),
+    # a hello handled after the exit; the exit of a proc stopped with its lost host, reported once
+    # the host is heard again; a respawn that failed meanwhile
+    _S.STOPPED: frozenset({_S.HEALTHY, _S.FAILED}),
+    _S.PAUSED: frozenset(),
+}
+#: Moves made only when a thread acts on a state it read before another thread moved the proc
+#: (no lock orders the readers of a proc's state): the IO thread's heartbeat, hang timer and
+#: exit against a stop, a restart or a failed respawn on another thread, and those against
+#: each other. Today's code makes them, so they are legal; each is a race to close some day.
+RACY_MOVES: Mapping[ProcState, frozenset[ProcState]] = {
+    _S.FAILED: frozenset({_S.BUSY, _S.HUNG, _S.STOPPING, _S.STOPPED}),
+    _S.RESTARTING: frozenset({_S.BUSY, _S.HUNG, _S.STOPPED}),
+    _S.STOPPING: frozenset({_S.BUSY, _S.HUNG, _S.RESTARTING, _S.STOPPING}),
+    _S.STOPPED: frozenset({_S.RESTARTING, _S.STOPPING}),
+}
+#: Every legal move of a proc's state: state -> the states :meth:`ProcRecord.move` may move it to.
+MOVES: Mapping[ProcState, frozenset[ProcState]] = {
+    state: _SEQUENTIAL[state] | RACY_MOVES.get(state, frozenset()) for state in ProcState
+}
+del _S
+
 
 def proc_identity(proc_mesh: str, rank: int) -> str:
     """The routing identity of rank ``rank`` of proc mesh ``proc_mesh``: ``"pm0.3"``."""
@@ -67,7 +114,7 @@ class ProcRecord:
         mesh / rank / coords: its proc mesh, flat rank and coordinates.
         host: the name of the host agent that runs it.
         spec: how to start it again (what the host agent was sent).
-        state: a :class:`ProcState`.
+        state: a :class:`ProcState`; changed only by :meth:`move`.
         pid: the current incarnation's pid (0 until known).
         restarts: times it was restarted.
         last_heartbeat: ``time.monotonic()`` of its last heartbeat.
@@ -89,26 +136,51 @@ class ProcRecord:
     identity: str
     mesh: str
     rank: int
-    coords: dict
+    coords: dict[str, int]
     host: str
-    spec: dict
+    spec: dict[str, Any]
     state: ProcState = ProcState.STARTING
     pid: int = 0
     restarts: int = 0
     last_heartbeat: float = 0.0
-    busy: dict = field(default_factory=dict)
-    output_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
-    exit_info: dict | None = None
+    busy: dict[str, list[Any]] = field(default_factory=dict)
+    output_tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
+    exit_info: dict[str, Any] | None = None
     fenced: bool = False
-    loading: list = field(default_factory=list)
+    loading: list[str] = field(default_factory=list)
     restart_kill_pid: int = 0
-    paused: list = field(default_factory=list)
+    paused: list[dict[str, Any]] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
-    failure: Any = None
+    failure: Failure | None = None
     os_stopped: bool = False
     restart_lock: threading.Lock = field(default_factory=threading.Lock)
     on_spare: bool = False
+    _state_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def move(self, new: ProcState, why: str) -> ProcState:
+        """Move the proc to state ``new`` (``why``: what moves it, for the error) and return the
+        state it was in; the one place a proc's state changes.
+
+        Called by the controller's IO thread (a hello, a heartbeat, an exit, the hang timer, a
+        lost host: :mod:`monarch_nb.runtime.liveness`), by the thread that respawns a restarted
+        proc's actors (they failed), and by the threads that start, stop and restart proc meshes
+        (the user's, the supervisor's, a control request's: :mod:`monarch_nb.runtime.proc_meshes`).
+        Callers hold no lock of the controller; the record's own lock makes the check and the
+        change one step, so the move checked is the move made (:data:`RACY_MOVES` are the moves a
+        caller makes when another thread moved the proc after it looked).
+
+        Raises:
+            RuntimeError: ``new`` is not in :data:`MOVES` of the current state (a bug in the caller).
+        """
+        with self._state_lock:
+            old = self.state
+            if new not in MOVES[old]:
+                legal = ", ".join(sorted(s.value for s in MOVES[old])) or "none"
+                raise RuntimeError(f"proc {self.identity}: {old.value} -> {new.value} is not a legal move ({why}); "
+                                   f"from {old.value} it may move to {legal}")
+            self.state = new
+            return old
 
     @property
     def alive(self) -> bool:
@@ -135,7 +207,7 @@ class ActorSpawn:
     name: str
     cls: type
     body: bytes
-    buffers: list
+    buffers: list[memoryview]
     ranks: list[int]
 
 
@@ -148,7 +220,7 @@ class ProcMeshRecord:
     procs: list[str]
     actors: list[ActorSpawn] = field(default_factory=list)
     stopped: bool = False
-    supervision: Any = None  # monarch_nb.supervision.policy.SupervisionPolicy
+    supervision: SupervisionPolicy | None = None
     rendezvous_round: int = 0  # bumped at every membership change (torchrun's restart count)
     replica_group_size: int = 1  # ranks per replica group of a sharded training run (1: none)
 
@@ -177,6 +249,6 @@ class HostRecord:
     started_at: float = field(default_factory=time.monotonic)
     last_heartbeat: float = 0.0
     load: float = 0.0
-    spares: dict = field(default_factory=dict)
+    spares: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     address: str = ""
-    detail: dict = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)

@@ -37,16 +37,19 @@ import os
 import time
 from typing import Any, Iterable, Iterator, Mapping
 
-from .records import ALIVE, HostRecord, ProcMeshRecord, ProcRecord, ProcState
+from .records import ALIVE, ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, ProcState
 
-__all__ = ["snapshot", "walk", "find", "render", "NODE_STATES"]
+__all__ = ["snapshot", "walk", "find", "render", "NODE_STATES", "Node"]
+
+#: A node of the tree: the keys of the module docstring.
+Node = dict[str, Any]
 
 #: Every state a node can be in.
 NODE_STATES = tuple(ProcState)
 
 
-def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> dict:
-    node = {
+def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> Node:
+    node: Node = {
         "kind": kind, "name": name, "state": state, "pid": pid, "mesh": None, "rank": None, "coords": {}, "group": None,
         "restarts": 0, "heartbeat_age_s": None, "endpoint": None, "endpoint_running_s": None,
         "uptime_s": None, "detail": {}, "children": [],
@@ -64,7 +67,7 @@ def snapshot(
     started_at: float | None = None,
     mesh: str | None = None,
     ranks: set[int] | None = None,
-) -> dict:
+) -> Node:
     """The supervision tree now, as plain data (see the module docstring for the keys).
 
     Args:
@@ -84,7 +87,7 @@ def snapshot(
         "controller", "controller", ProcState.STOPPED if closed else ProcState.HEALTHY, os.getpid(),
         uptime_s=round(now - (started_at if started_at is not None else now), 3),
     )
-    host_nodes: dict[str, dict] = {}
+    host_nodes: dict[str, Node] = {}
     for host in list(hosts):
         running = host.state in (ProcState.STARTING, ProcState.HEALTHY)
         host_nodes[host.name] = _node(
@@ -113,19 +116,19 @@ def snapshot(
                 group = rank // record.replica_group_size
                 for node in (proc, *proc["children"]):
                     node["group"] = group
-            host = host_nodes.get(rec.host)
-            if host is None:
-                host = host_nodes[rec.host] = _node("host", rec.host, ProcState.FAILED, 0)
-                root["children"].append(host)
-            host["children"].append(proc)
+            host_node = host_nodes.get(rec.host)
+            if host_node is None:
+                host_node = host_nodes[rec.host] = _node("host", rec.host, ProcState.FAILED, 0)
+                root["children"].append(host_node)
+            host_node["children"].append(proc)
     return root
 
 
-def _proc_node(rec: ProcRecord, spawns: list, now: float) -> dict:
+def _proc_node(rec: ProcRecord, spawns: list[ActorSpawn], now: float) -> Node:
     alive = rec.alive
     age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
     started = rec.started_at
-    detail: dict = {}
+    detail: dict[str, Any] = {}
     if rec.exit_info:
         detail["exit"] = dict(rec.exit_info)
     if rec.fenced:
@@ -160,23 +163,23 @@ def _proc_node(rec: ProcRecord, spawns: list, now: float) -> dict:
     return proc
 
 
-def walk(tree: dict) -> Iterator[dict]:
+def walk(tree: Node) -> Iterator[Node]:
     """Every node of ``tree``, parents before children (depth first)."""
     yield tree
     for child in tree["children"]:
         yield from walk(child)
 
 
-def find(tree: dict, kind: str | None = None, **match: Any) -> list[dict]:
+def find(tree: Node, kind: str | None = None, **match: Any) -> list[Node]:
     """The nodes of ``tree`` of ``kind`` whose keys equal ``match`` (``find(t, "proc", rank=2)``)."""
     return [n for n in walk(tree) if (kind is None or n["kind"] == kind) and all(n.get(k) == v for k, v in match.items())]
 
 
-def render(tree: dict) -> str:
+def render(tree: Node) -> str:
     """The tree as indented text, one node a line (for a terminal or a notebook cell)."""
     lines: list[str] = []
 
-    def visit(node: dict, depth: int) -> None:
+    def visit(node: Node, depth: int) -> None:
         facts = [node["state"], f"pid {node['pid']}"]
         if node["rank"] is not None and node["kind"] == "proc":
             facts.append(f"rank {node['rank']} {node['coords']}")

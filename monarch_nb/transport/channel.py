@@ -43,17 +43,17 @@ import zmq
 
 from . import shm
 from .keys import Trust
-from .wire import MAGIC, BadMessage, ReplayGuard, Signer, decode, encode, route_id
+from .wire import MAGIC, BadMessage, Header, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
 log = logging.getLogger(__name__)
 
-_authenticators: dict[int, tuple[Any, set]] = {}  # id(context) -> (ZAP handler, its domains)
+_authenticators: dict[int, tuple[Any, set[str]]] = {}  # id(context) -> (ZAP handler, its domains)
 _auth_lock = threading.Lock()
 
 
-def _zap_domain(ctx: zmq.Context, trust: Trust) -> str:
+def _zap_domain(ctx: zmq.Context[Any], trust: Trust) -> str:
     """The ZAP domain of ``trust``'s cluster on ``ctx``: its handler admits only CurveZMQ clients
     holding that cluster's key pair. One domain per cluster, so endpoints of different clusters
     (two jobs with their own keys) each admit their own clients only."""
@@ -74,7 +74,7 @@ def _zap_domain(ctx: zmq.Context, trust: Trust) -> str:
 
 
 @contextlib.contextmanager
-def curve_server(sock: zmq.Socket, trust: Trust | None) -> Iterator[None]:
+def curve_server(sock: zmq.Socket[Any], trust: Trust | None) -> Iterator[None]:
     """Within: endpoints bound on ``sock`` speak CurveZMQ as the server of ``trust``'s cluster
     (ZeroMQ takes security options when an endpoint is bound); without ``trust``, plain."""
     if trust is None or not trust.encrypted:
@@ -90,14 +90,16 @@ def curve_server(sock: zmq.Socket, trust: Trust | None) -> Iterator[None]:
     finally:  # later endpoints are plain again (the domain stays: libzmq takes no empty one, and
         sock.curve_server = False  # its handler admits NULL-mechanism peers)
 
-MessageHandler = Callable[[dict, Any, list, list], None]
+#: ``on_message(header, body, buffers, frames)``: a verified message, and the frames it came in.
+MessageHandler = Callable[[Header, memoryview, list[memoryview], list[Any]], None]
 
 #: Seconds the receive lease may stay free (its last leader runs an endpoint) before the IO
 #: thread takes it back to receive and run timers.
 TAKEOVER_S = 0.002
 #: Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
 _ZERO_COPY_MIN_BYTES = 64 * 1024
-# plain ints: pyzmq's enum members cost an enum construction on every `&`
+# plain ints: pyzmq's enum members cost an enum construction on every `&` (and pyzmq types every
+# option's value int | bytes: int(...) around an int-valued getsockopt says which)
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK),
                                                    int(zmq.SNDMORE), int(zmq.RCVMORE))
 #: How often the IO thread looks at the lease while another thread holds it (seconds): a leader
@@ -124,14 +126,14 @@ class Channel:
 
     def __init__(
         self, identity: str, signer: Signer, on_message: MessageHandler, *, router: bool = False, shm_run_id: str | None = None
-    ):
+    ) -> None:
         self.identity = identity
         # same-host peers: large buffers go through /dev/shm (see monarch_nb.transport.shm)
         self.shm_run_id = shm_run_id if shm_run_id and shm.available() else None
         self.router = router
         self._signer = signer
         self._on_message = on_message
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER if router else zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, 0)
@@ -150,7 +152,7 @@ class Channel:
         self._route_frames: dict[str, bytes] = {}
         self._peers: set[bytes] = set()  # ROUTER: identities that sent a verified message (forward targets)
         self._own_route = route_id(identity).encode()
-        self._timers: list[list] = []  # [next_due, interval_s, fn]
+        self._timers: list[list[Any]] = []  # [next_due, interval_s, fn]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._lease = threading.Lock()  # held by the thread that receives (see the module docstring)
@@ -161,7 +163,7 @@ class Channel:
         self._callers = 0  # threads blocked on a reply waiting to lead: idle actors yield too
         self._count_lock = threading.Lock()
         self._local = threading.local()  # per leading thread: its poller
-        self.dropped = collections.Counter()  # reason -> count
+        self.dropped: collections.Counter[str] = collections.Counter()  # reason -> count
         self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
@@ -176,7 +178,7 @@ class Channel:
         """
         with self._lock, curve_server(self._sock, trust):
             self._sock.bind(address)
-            bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = self.address or bound
         return bound
 
@@ -212,12 +214,12 @@ class Channel:
         self._run()
 
     # -- sending --------------------------------------------------------------------------------
-    def send(self, dst: str, header: dict, body: bytes = b"", buffers: Sequence[Any] = ()) -> None:
+    def send(self, dst: str, header: Header, body: bytes = b"", buffers: Sequence[Any] = ()) -> None:
         """Number, sign and send one message to ``dst``. Thread-safe; never blocks on the network."""
         header["src"] = self.identity
         header["dst"] = dst
         if self.shm_run_id and buffers:
-            buffers = self._export_large(header, buffers)
+            buffers = self._export_large(header, buffers, self.shm_run_id)
         with self._lock:
             self._seq += 1
             header["seq"] = self._seq
@@ -233,29 +235,29 @@ class Channel:
             frame = self._route_frames[dst] = route_id(dst).encode()
         return frame
 
-    def _export_large(self, header: dict, buffers: Sequence[Any]) -> list:
+    def _export_large(self, header: Header, buffers: Sequence[Any], run_id: str) -> list[Any]:
         out = list(buffers)
         exported = []
         for index, buf in enumerate(buffers):
             nbytes = memoryview(buf).nbytes
             if nbytes >= shm.SHM_MIN_BYTES:
-                exported.append([index, shm.export_buffer(buf, self.shm_run_id), nbytes])
+                exported.append([index, shm.export_buffer(buf, run_id), nbytes])
                 out[index] = b""
         if exported:
             header["shm"] = exported
         return out
 
-    def _import_large(self, header: dict, buffers: list) -> list:
+    def _import_large(self, header: Header, buffers: list[memoryview]) -> list[memoryview]:
         for index, name, nbytes in header["shm"]:
             buffers[index] = shm.import_buffer(name, nbytes)
         return buffers
 
-    def forward(self, dst: str, frames: list) -> None:
+    def forward(self, dst: str, frames: list[Any]) -> None:
         """Send already-signed ``frames`` (a message from another peer) to ``dst`` (ROUTER only)."""
         with self._lock:
             self._send_locked([route_id(dst).encode(), *frames])
 
-    def _send_locked(self, frames: list) -> None:
+    def _send_locked(self, frames: list[Any]) -> None:
         if self.muted_until and time.monotonic() < self.muted_until:
             self.dropped["partitioned"] += 1
             return
@@ -268,7 +270,7 @@ class Channel:
                 # small frames are copied (cheaper than a zero-copy frame's bookkeeping), buffers are not
                 size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
                 sock.send(frame, _SNDMORE if i < last else 0, copy=size < _ZERO_COPY_MIN_BYTES)
-            pending_input = sock.getsockopt(_EVENTS) & _POLLIN
+            pending_input = int(sock.getsockopt(_EVENTS)) & _POLLIN
         except zmq.ZMQError as exc:
             log.warning("send failed: %s", exc)
             return
@@ -382,20 +384,21 @@ class Channel:
         if getattr(local, "version", None) != self._readers_version or getattr(local, "poller", None) is None:
             version = self._readers_version
             poller = select.poll()
-            poller.register(self._sock.getsockopt(zmq.FD), select.POLLIN)
+            poller.register(int(self._sock.getsockopt(zmq.FD)), select.POLLIN)
             poller.register(self._wake_r, select.POLLIN)
             for fd in tuple(self._readers):
                 poller.register(fd, select.POLLIN)
             local.poller, local.version = poller, version
-        return local.poller
+        current: select.poll = local.poller
+        return current
 
     def _input_pending(self) -> bool:
         with self._lock:
             if self._closed.is_set():
                 return False
-            return bool(self._sock.getsockopt(_EVENTS) & _POLLIN)
+            return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)
 
-    def _guarded(self, fn: Callable, *args: Any) -> None:
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
         except Exception:
@@ -406,7 +409,7 @@ class Channel:
             with self._lock:
                 if self._closed.is_set():
                     return
-                if not self._sock.getsockopt(_EVENTS) & _POLLIN:
+                if not int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
                     return  # cheaper than raising zmq.Again
                 try:
                     frames = self._recv_frames()
@@ -449,11 +452,11 @@ class Channel:
                     continue
             self._guarded(self._on_message, header, body, buffers, frames)
 
-    def _recv_frames(self) -> list:
+    def _recv_frames(self) -> list[Any]:
         """One message's frames (socket lock held): the envelope (and a ROUTER's identity) as
         bytes, the buffers after it as zero-copy frames. Raises zmq.Again if none is waiting."""
         sock = self._sock
-        frames = [sock.recv(_NOBLOCK)]
+        frames: list[Any] = [sock.recv(_NOBLOCK)]
         for _ in range(2 if self.router else 0):  # a ROUTER's sender and destination frames: small, copied
             if not sock.getsockopt(_RCVMORE):
                 return frames

@@ -18,7 +18,7 @@ import os
 import pickle
 import sys
 import types
-from typing import Any
+from typing import Any, Sequence
 
 import cloudpickle
 
@@ -32,7 +32,7 @@ class SerializationError(TypeError):
     """A value could not be pickled (or unpickled) for the wire."""
 
 
-def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple, requires_grad: bool) -> Any:
+def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -68,17 +68,19 @@ def _reduce_tensor(tensor: Any) -> Any:
     nbytes = data.numel() * data.element_size()
     if nbytes:
         flat = data.reshape(-1).view(torch.uint8)
-        raw = pickle.PickleBuffer(flat.numpy()) if nbytes >= OUT_OF_BAND_MIN_BYTES else flat.numpy().tobytes()
+        # an ndarray exports the buffer protocol; numpy declares it (__buffer__) for Python 3.12+ only
+        raw = pickle.PickleBuffer(flat.numpy()) if nbytes >= OUT_OF_BAND_MIN_BYTES else flat.numpy().tobytes()  # type: ignore[arg-type]
     else:
         raw = b""
     dtype_name = str(data.dtype).removeprefix("torch.")
     return _rebuild_tensor, (raw, dtype_name, tuple(data.shape), tensor.requires_grad)
 
 
-def _rebuild_code(ctor: Any, args: tuple, filename: str, lines: list[str] | None) -> types.CodeType:
+def _rebuild_code(ctor: Any, args: tuple[Any, ...], filename: str, lines: list[str] | None) -> types.CodeType:
     if lines and filename not in linecache.cache:
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-    return ctor(*args)
+    code: types.CodeType = ctor(*args)
+    return code
 
 
 def _reduce_code(code: types.CodeType) -> Any:
@@ -120,7 +122,7 @@ _PLAIN_SCALARS = frozenset({type(None), bool, int, float, str, bytes, complex})
 _PLAIN_CONTAINERS = frozenset({tuple, list, dict})
 
 
-def _plain(obj: Any, budget: list) -> bool:
+def _plain(obj: Any, budget: list[int]) -> bool:
     """True if ``obj`` is built only of builtin scalars and small containers (no class that
     cloudpickle would need to send by value): the C pickler then gives the same stream, faster."""
     kind = type(obj)
@@ -165,7 +167,7 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     return stream.getvalue(), buffers
 
 
-def loads(data: bytes | memoryview, buffers: list[Any] = ()) -> Any:
+def loads(data: bytes | memoryview, buffers: Sequence[Any] = ()) -> Any:
     """Unpickle a stream produced by :func:`dumps` with its out-of-band ``buffers``.
 
     Raises:

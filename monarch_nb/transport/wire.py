@@ -34,23 +34,44 @@ import hashlib
 import hmac
 import json
 import marshal
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict, cast
 
-__all__ = ["route_id", "BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX"]
+__all__ = ["route_id", "BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX", "Header"]
 
 MAGIC = b"MNB2"
 _DIGEST = hashlib.sha256
 _MARSHAL_VERSION = 4
 
 
-def _encode_header(header: dict) -> bytes:
+class _KindField(TypedDict):
+    kind: str  # a monarch_nb.runtime.protocol.Kind member when sent; its plain value once received
+
+
+class Header(_KindField, total=False):
+    """A message header: its ``kind`` and the fields the transport fills in.
+
+    :meth:`~monarch_nb.transport.channel.Channel.send` sets ``src``, ``dst`` and ``seq``,
+    :func:`encode` sets ``nbuf``; a received header holds all five (:func:`decode` checks it).
+    Each kind's own fields are a TypedDict that extends this one
+    (:mod:`monarch_nb.runtime.protocol`), so a header built as one of them is a ``Header``.
+    """
+
+    src: str  # the sender's identity
+    dst: str  # the receiver's identity
+    seq: int  # the sender's sequence number (the replay guard's)
+    nbuf: list[int]  # the byte sizes of the out-of-band buffers
+    shm: list[list[Any]]  # [buffer index, shared-memory name, bytes] of buffers sent through /dev/shm
+
+
+def _encode_header(header: Header) -> bytes:
     kind = header.get("kind")
     if type(kind) is not str and isinstance(kind, str):
         header["kind"] = str.__str__(kind)  # an enum member (Kind): its plain value
+    plain = cast("dict[str, Any]", header)  # a TypedDict is a plain dict at run time
     try:
-        return marshal.dumps(header, _MARSHAL_VERSION)
+        return marshal.dumps(plain, _MARSHAL_VERSION)
     except ValueError:  # a str or int subclass somewhere: plain values via a JSON round trip
-        return marshal.dumps(json.loads(json.dumps(header)), _MARSHAL_VERSION)
+        return marshal.dumps(json.loads(json.dumps(plain)), _MARSHAL_VERSION)
 
 
 def route_id(identity: str) -> str:
@@ -65,7 +86,7 @@ class BadMessage(ValueError):
 class Signer:
     """HMAC-SHA256 signer for one cluster key (bytes, at least 16 of them)."""
 
-    def __init__(self, key: bytes, *, sign_buffers: bool = False):
+    def __init__(self, key: bytes, *, sign_buffers: bool = False) -> None:
         if len(key) < 16:
             raise ValueError("cluster key must be at least 16 bytes; use secrets.token_bytes(32)")
         self._key = key
@@ -93,7 +114,7 @@ _SIG_BYTES = 32
 _PREFIX = len(MAGIC) + 1 + _SIG_BYTES + 4
 
 
-def encode(signer: Signer, header: dict, body: bytes = b"", buffers: Sequence[Any] = ()) -> list:
+def encode(signer: Signer, header: Header, body: bytes = b"", buffers: Sequence[Any] = ()) -> list[Any]:
     """Return the frames of one message. ``header`` must hold kind, src, dst and seq."""
     header["nbuf"] = [memoryview(b).nbytes for b in buffers]
     raw_header = _encode_header(header)
@@ -108,7 +129,7 @@ def _view(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def decode(signer: Signer, frames: Sequence[Any]) -> tuple[dict, Any, list]:
+def decode(signer: Signer, frames: Sequence[Any]) -> tuple[Header, memoryview, list[memoryview]]:
     """Verify and split ``frames`` (bytes or zmq.Frame) into (header, body, buffers).
 
     Raises:
@@ -146,7 +167,7 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[dict, Any, list]:
     sizes = [b.nbytes for b in buffers]
     if header["nbuf"] != sizes:
         raise BadMessage(f"buffer sizes {sizes} differ from the signed header's {header['nbuf']}")
-    return header, body, buffers
+    return cast(Header, header), body, buffers  # a dict holding the five fields: checked above
 
 
 class ReplayGuard:
@@ -155,7 +176,7 @@ class ReplayGuard:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
-    def accept(self, header: dict) -> bool:
+    def accept(self, header: Header) -> bool:
         src, seq = header["src"], header["seq"]
         if not isinstance(seq, int):
             return False
