@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ActorError, MeshStoppedError, SupervisionError
 from ..supervision.records import ProcState
@@ -287,6 +287,8 @@ class Membership(Healing):
                         ranks.append(partner)
         if self.run.stopping:
             return True
+        target: Callable[..., None]
+        args: tuple[Any, ...]
         if self.layout.size > 1:
             target, args, name = self._restart_group, (sorted(ranks),), f"group-{self.layout.group_of(rank)}"
         else:
