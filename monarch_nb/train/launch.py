@@ -24,6 +24,7 @@ from .checkpoints import latest_checkpoint
 from .recovery import RankState, TrainingError
 from .waits import Stopped, wait_all
 from .coordinator_state import CoordinatorState
+from .rank_procs import MeshProcs
 
 __all__ = ["Launch", "SPARE_PRELOAD"]
 
@@ -108,7 +109,7 @@ class Launch(CoordinatorState):
         # the run's own store (here, never in a worker; one it can abort), where every host reaches it
         self.store_host = Controller.get().rendezvous_host(self.procs.name)
         self.m.store = controller_store(self.store_host, timeout_s=o.collective_timeout_s)
-        self.m.procs = self.procs
+        self.m.procs = MeshProcs(self.procs)
         if o.group_size > 1:
             Controller.get().set_replica_groups(self.procs.name, o.group_size)
         self.run.procs_ready(self.procs)
