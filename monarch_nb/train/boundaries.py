@@ -20,13 +20,14 @@ from .recovery import RankState, TrainingError
 from .sharding import snapshot_slots
 from .trainer_loop import WindowReply, WindowStatus
 from .waits import Stopped, wait_all
+from .coordinator_state import CoordinatorState
 
 __all__ = ["Boundaries"]
 
 log = logging.getLogger(__name__)
 
 
-class Boundaries:
+class Boundaries(CoordinatorState):
     """The coordinator's step-boundary work (see the module docstring)."""
 
     def _boundary(self) -> None:
@@ -59,7 +60,7 @@ class Boundaries:
         self.attempts_failed += 1
         failed_step = nonfinite if nonfinite is not None else self.next_commit
         outcome = self._outcome()
-        self.run.ledger.record_attempt(failed_step, m.quorum, list(m.members), outcome)
+        self.run.sample_ledger().record_attempt(failed_step, m.quorum, list(m.members), outcome)
         if self.attempts_failed > 50 * max(1, self.o.steps):
             raise TrainingError("steps keep failing (e.g. gradients stay non-finite); giving up")
         live = m.live
@@ -205,7 +206,7 @@ class Boundaries:
         redone = 0
         if step < self.next_commit:
             redone = self.next_commit - step
-            self.run.ledger.forget_from(step)
+            self.run.sample_ledger().forget_from(step)
             self.run.forget_metrics_from(step)
             self.next_commit = step
             self.run.step = step

@@ -106,7 +106,7 @@ def load_sharded(path: str, model: Any, optimizer: Any, distributed: bool) -> di
     try:
         # fresh dicts: set_state_dict replaces the tensors of the dict it is given
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
         with warnings.catch_warnings():  # no_dist: DCP warns that it "assumes a single process", which it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path, no_dist=not distributed)

@@ -32,10 +32,10 @@ import time
 from typing import Any
 
 from ..errors import ActorError, MeshStoppedError
-from ..faults.spec import FaultSpec
 from .boundaries import Boundaries
+from .coordinator_state import Window
 from .launch import Launch
-from .recovery import Membership, RankState, TrainingError, own_failure
+from .recovery import RankState, TrainingError, own_failure
 from .waits import Stopped, wait_all
 from .report import build_report
 from .checkpoints import checkpoint_path
@@ -51,62 +51,10 @@ _MAX_WINDOW = 4096
 _CHECKPOINT_TRIES = 3  # failed disk checkpoints in a row that end a run
 
 
-class _Window:
-    """Steps ``start .. start+count-1``, sent to ``members`` of ``quorum``; replies by rank."""
-
-    __slots__ = ("id", "quorum", "members", "start", "count", "replies", "oldest_since")
-
-    def __init__(self, wid: int, quorum: int, members: list[int], start: int, count: int):
-        self.id, self.quorum, self.members, self.start, self.count = wid, quorum, tuple(members), start, count
-        self.replies: dict[int, WindowReply | BaseException] = {}  # the rank's reply, or why there is none
-        self.oldest_since = time.monotonic()
-
-    @property
-    def complete(self) -> bool:
-        return len(self.replies) == len(self.members)
-
-
 class Coordinator(Launch, Boundaries):
     """Runs one :class:`~monarch_nb.train.run.TrainingRun` on its training thread: starts it
     (:class:`~.launch.Launch`), sends windows and commits steps (here), acts at boundaries
     (:class:`~.boundaries.Boundaries`), finishes with the report."""
-
-    def __init__(self, run: Any):
-        self.run = run
-        self.o = run.options
-        self.events: "queue.SimpleQueue[RunEvent]" = queue.SimpleQueue()  # see .events: who puts what
-        self.m = Membership(run, self.events)
-        self.procs: Any = None
-        self.mesh_name = ""
-        self.spares = 0
-        self.windows: list[_Window] = []
-        self.history: list[tuple[int, int, tuple]] = []  # (start, count, members) of every window sent
-        self._wids = iter(range(1 << 62))
-        self.next_commit = 0
-        self.next_dispatch = 0
-        self.start_step = 0
-        self.recover = False
-        self.nonfinite_at: int | None = None
-        self.rank_next: dict[int, int] = {}
-        self.planned: dict[int, list[FaultSpec]] = {}
-        self.split_steps: set[int] = set()
-        self.step_s: float | None = None
-        self.step_ms: list[float] = []
-        self.productive_s = 0.0
-        self.attempts_failed = 0
-        self.pending_evals: dict[int, dict] = {}
-        self.checkpoint_lost = False
-        self.checkpoint_failures = 0  # in a row (see _checkpoint_failed)
-        self.snapshot_path = ""
-        self.snapshots: list[dict] = []
-        self.restores: list[dict] = []
-        self.redone_from_snapshot = 0
-        self.chaos: Any = None
-        self.t_train0 = time.monotonic()
-        self.t_last_commit = self.t_train0
-        self.t_end: float | None = None  # training ended: the last rejoin waited for, or the stop seen
-        self.fresh_replicas = False  # the next quorum's members are untrained: they take one's model first
-        self.setup_s = 0.0
 
     # -- the run ------------------------------------------------------------------------------------
     def run_all(self) -> None:
@@ -202,7 +150,7 @@ class Coordinator(Launch, Boundaries):
                and not self.run.stopping):
             start = self.next_dispatch
             end = self._window_end(start)
-            win = _Window(next(self._wids), m.quorum, m.members, start, end - start)
+            win = Window(next(self._wids), m.quorum, m.members, start, end - start)
             split = sorted(s for s in self.split_steps if start <= s < end) or None
             writer = m.members[0]
             snapshots = self._snapshot_orders(writer)
@@ -245,8 +193,11 @@ class Coordinator(Launch, Boundaries):
         """Queue the checkpoint before step ``next_step`` on ``writer`` (in a sharded run on every
         rank of its group: each saves its shards); returns ``writer``'s future (the others fail
         with it: a partner's failure fails the group's collective save)."""
-        path = checkpoint_path(self.o.checkpoint_dir, next_step, self.o.sharded)
-        os.makedirs(self.o.checkpoint_dir, exist_ok=True)
+        directory = self.o.checkpoint_dir
+        if directory is None:
+            raise RuntimeError("a checkpoint was due in a run without checkpoint_dir (a bug in the caller)")
+        path = checkpoint_path(directory, next_step, self.o.sharded)
+        os.makedirs(directory, exist_ok=True)
         return self._on_group(writer, lambda t: t.save_checkpoint.call_one(path, next_step))
 
     def _on_group(self, writer: int, call: Any) -> Any:
@@ -290,10 +241,10 @@ class Coordinator(Launch, Boundaries):
         w = next(w for w in self.windows if not w.complete)
         for rank in w.members:
             if rank not in w.replies:
-                w.replies[rank] = TimeoutError(f"rank {rank}: window of steps {w.start}-{w.start + w.count - 1} "
-                                               "did not end in time")
+                late = TimeoutError(f"rank {rank}: window of steps {w.start}-{w.start + w.count - 1} did not end in time")
+                w.replies[rank] = late
                 if self.m.state.get(rank) == RankState.LIVE:
-                    self.m.fail_rank(rank, w.replies[rank])
+                    self.m.fail_rank(rank, late)
         self.recover = True
         self._window_done(w)
 
@@ -320,7 +271,7 @@ class Coordinator(Launch, Boundaries):
                 self.recover = True
             self.m.fail_rank(rank, exc)
 
-    def _on_reply(self, win: _Window, rank: int, future: Any) -> None:
+    def _on_reply(self, win: Window, rank: int, future: Any) -> None:
         if rank in win.replies:
             return  # already given up on (deadline)
         exc = future.exception(0)
@@ -352,7 +303,7 @@ class Coordinator(Launch, Boundaries):
                 rec.disrupted = True
                 self.m.detect(rec, now, "nonfinite gradient")
 
-    def _window_done(self, win: _Window) -> None:
+    def _window_done(self, win: Window) -> None:
         """Every member answered ``win``: commit the steps all of them applied, in order.
 
         Raises:
@@ -418,7 +369,7 @@ class Coordinator(Launch, Boundaries):
         while self.next_commit < upto:
             step = self.next_commit
             members, digests, rep, i, norm = self._records_for(step)
-            run.ledger.record_shards(step, members, digests)
+            run.sample_ledger().record_shards(step, members, digests)
             metric = {"type": "step", "step": step, "loss": None, "batch_accuracy": None,
                       "time_s": round(now - self.t_train0, 4), "quorum": self.m.quorum, "live_ranks": list(members),
                       "step_ms": None, "grad_norm": None}

@@ -180,6 +180,7 @@ class SampleLedger:
         if entry is None:
             return {}
         ranks, _ = entry
+        assert self.order is not None, "shards are recorded only by a ledger with an order"
         batch = self.order.batch(step)
         return {r: [int(i) for i in shard(batch, ranks, r)] for r in ranks}
 

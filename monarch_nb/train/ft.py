@@ -188,7 +188,7 @@ def batches(source: Any, batch_size: int, steps: int | None = None, *, epochs: i
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size > data.num_samples:
         raise ValueError(f"ft.batches: batch_size must be an integer from 1 to the dataset's size "
                          f"({data.num_samples}), got {batch_size!r}")
-    total = steps if steps is not None else epochs * (data.num_samples // batch_size)
+    total = steps if steps is not None else (epochs or 0) * (data.num_samples // batch_size)
     if not isinstance(total, int) or total < 1:
         raise ValueError(f"ft.batches: steps must be a positive integer, got {total!r}")
     t = _trainer()

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ActorError, SupervisionError
 from .waits import Stopped, wait_all
+
+if TYPE_CHECKING:
+    from .recovery import RankState
 
 __all__ = ["Healing"]
 
@@ -26,9 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class Healing:
-    """Heals, catch-ups and restores (see the module docstring). Provided by the membership:
-    ``run``, ``options``, ``trainers``, ``state``, ``layout``, ``live``, ``ready``,
-    ``quorum_ranks``, ``move``, ``fail_rank``, ``_open``."""
+    """Heals, catch-ups and restores (see the module docstring), a room of the
+    :class:`~.recovery.Membership`, which provides the fields and methods declared below."""
 
     run: Any
     options: Any
@@ -36,6 +38,25 @@ class Healing:
     state: dict
     layout: Any
     _open: dict
+
+    # -- provided by the membership -----------------------------------------------------------------
+    @property
+    def live(self) -> list[int]:
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> list[int]:
+        raise NotImplementedError
+
+    @property
+    def quorum_ranks(self) -> list[int]:
+        raise NotImplementedError
+
+    def move(self, rank: int, new: "RankState") -> None:
+        raise NotImplementedError
+
+    def fail_rank(self, rank: int, exc: BaseException | None = None) -> bool:
+        raise NotImplementedError
 
     # -- heals ------------------------------------------------------------------------------------
     def _donor_for(self, rank: int, candidates: list[int]) -> int | None:
@@ -148,8 +169,8 @@ class Healing:
         futures = {r: self.trainers[r].apply_gradient.call_one(ahead - 1, grads[self.layout.shard_of(r)])
                    for r in behind}
         _, errors = wait_all(futures, timeout, self.run.stop_event)
-        for r, exc in errors.items():
-            self.fail_rank(r, exc)
+        for r, error in errors.items():
+            self.fail_rank(r, error)
         return ahead
 
     # -- restore from a snapshot --------------------------------------------------------------------

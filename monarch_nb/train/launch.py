@@ -16,12 +16,15 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
 from ..errors import ActorError
 from .checkpoints import latest_checkpoint
 from .recovery import RankState, TrainingError
 from .waits import Stopped, wait_all
+from .coordinator_state import CoordinatorState
+from .rank_procs import MeshProcs
 
 __all__ = ["Launch", "SPARE_PRELOAD"]
 
@@ -35,7 +38,7 @@ _SNAPSHOT_N = 7_700_000_000  # the <n> of snapshot file names: a band no transpo
 _run_seq = iter(range(1 << 30))
 
 
-class Launch:
+class Launch(CoordinatorState):
     """Spawning, building and resuming, for the coordinator (see the module docstring)."""
 
     def _stoppable(self, fn: Callable[[], Any], on_stop: Callable[[], None]) -> Any:
@@ -95,7 +98,7 @@ class Launch:
                 Controller.get().stop_procs(name, timeout_s=1.0)
 
             try:
-                self.procs = self._stoppable(lambda name=name: host.spawn_procs(per_host={"gpus": o.procs_per_host}, name=name, **extra),
+                self.procs = self._stoppable(partial(host.spawn_procs, per_host={"gpus": o.procs_per_host}, name=name, **extra),
                                              stop_mesh)
                 break
             except RuntimeError as exc:  # a proc died or did not say hello while starting
@@ -106,7 +109,7 @@ class Launch:
         # the run's own store (here, never in a worker; one it can abort), where every host reaches it
         self.store_host = Controller.get().rendezvous_host(self.procs.name)
         self.m.store = controller_store(self.store_host, timeout_s=o.collective_timeout_s)
-        self.m.procs = self.procs
+        self.m.procs = MeshProcs(self.procs)
         if o.group_size > 1:
             Controller.get().set_replica_groups(self.procs.name, o.group_size)
         self.run.procs_ready(self.procs)
@@ -141,7 +144,7 @@ class Launch:
             self._settle_restarts()
             name = "trainer" if not attempt else f"trainer_{attempt}"
             try:
-                mesh = self._stoppable(lambda name=name: _constructed(self.procs.spawn(name, Trainer, *args)), lambda: None)
+                mesh = self._stoppable(partial(_constructed_mesh, self.procs, name, Trainer, args), lambda: None)
                 break
             except SupervisionError as exc:  # a proc failed meanwhile: restart it, spawn again
                 if attempt == 3:
@@ -149,17 +152,18 @@ class Launch:
                 m.fail_rank(exc.rank, exc)
             except ActorError as exc:
                 raise TrainingError(f"the Trainer could not be built: {exc}") from None
+        assert mesh is not None  # the loop breaks with one or raises
         ranks = mesh.flatten("rank")  # host by host: {hosts: H, gpus: G} -> rank = host * G + gpu
         m.trainers = {r: ranks.slice(rank=r) for r in range(o.procs)}
         live = m.live
         futures = {r: m.trainers[r].setup.call_one() for r in live}
         values, errors = wait_all(futures, self._setup_timeout_s(), self.run.stop_event)
         if errors and not values and all(isinstance(e, ActorError) for e in errors.values()):
-            rank, exc = min(errors.items())
+            rank, first = min(errors.items())
             raise TrainingError(f"the training function {o.name} failed on every rank before its first step; "
-                                f"rank {rank}: {exc}")
-        for rank, exc in errors.items():
-            m.fail_rank(rank, exc)
+                                f"rank {rank}: {first}")
+        for rank, error in errors.items():
+            m.fail_rank(rank, error)
         if values:
             self._learn_geometry(values)
         self._settle_restarts()
@@ -236,8 +240,10 @@ def _import_quietly(name: str) -> None:
         pass
 
 
-def _constructed(mesh):
-    """``mesh`` once every actor of it is constructed (``spawn`` returns at once); raises the
-    constructor's ActorError or the SupervisionError of a proc that failed meanwhile."""
+def _constructed_mesh(procs: Any, name: str, actor: type, args: tuple) -> Any:
+    """``procs.spawn(name, actor, *args)`` once every actor of it is constructed (``spawn``
+    returns at once); raises the constructor's ActorError or the SupervisionError of a proc that
+    failed meanwhile."""
+    mesh = procs.spawn(name, actor, *args)
     mesh.initialized.get()
     return mesh

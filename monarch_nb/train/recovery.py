@@ -34,15 +34,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ActorError, MeshStoppedError, SupervisionError
 from ..supervision.records import ProcState
-from .events import RankFailed, RankReady, RestartFailed
+from .events import RankFailed, RankReady, RestartFailed, RunEvent
 from .healing import Healing
+from .rank_procs import RankProcs
 from .report import FailureRecord
 from .sharding import GroupLayout
 from .waits import wait_all
+
+if TYPE_CHECKING:
+    from .run import TrainingRun
 
 __all__ = ["Membership", "TrainingError", "RankState"]
 
@@ -119,11 +123,11 @@ class Membership(Healing):
             :class:`~.events.RestartFailed`; :meth:`supervise` puts :class:`~.events.RankFailed`.
     """
 
-    def __init__(self, run: Any, events: "queue.SimpleQueue"):
+    def __init__(self, run: "TrainingRun", events: "queue.SimpleQueue[RunEvent]"):
         self.run = run
         self.options = run.options
         self.events = events
-        self.procs: Any = None
+        self.procs: RankProcs | None = None  # set once the run's procs serve (see .rank_procs)
         self.trainers: dict[int, Any] = {}
         self.state: dict[int, RankState] = {}  # changed only by move()
         self.quorum = 0
@@ -262,12 +266,12 @@ class Membership(Healing):
         return True
 
     def current_pid(self, rank: int) -> int | None:
-        from ..runtime.controller import Controller
+        return self.procs.pid(rank) if self.procs is not None else None
 
-        try:
-            return Controller.get().proc_record(self.procs.name, rank).pid
-        except Exception:
-            return None
+    def _procs(self) -> RankProcs:
+        if self.procs is None:
+            raise RuntimeError("the run's procs are not known yet: restarts come after they serve")
+        return self.procs
 
     def fail_rank(self, rank: int, exc: BaseException | None = None) -> bool:
         """Take ``rank`` out and restart it in the background, once per failure. Returns False
@@ -287,6 +291,8 @@ class Membership(Healing):
                         ranks.append(partner)
         if self.run.stopping:
             return True
+        target: Callable[..., None]
+        args: tuple[Any, ...]
         if self.layout.size > 1:
             target, args, name = self._restart_group, (sorted(ranks),), f"group-{self.layout.group_of(rank)}"
         else:
@@ -357,16 +363,14 @@ class Membership(Healing):
 
     def _restart_proc(self, rank: int) -> None:
         self._wait_until_dead(rank)
-        self.procs.restart(rank, timeout_s=self.options.restart_timeout_s)
+        self._procs().restart(rank, timeout_s=self.options.restart_timeout_s)
 
     def _wait_until_dead(self, rank: int, timeout_s: float = 5.0) -> None:
         """A hung rank is being fenced: let its exit be seen before restarting it, so the fence's
         exit and the restart do not race."""
-        from ..runtime.controller import Controller
-
-        rec = Controller.get().proc_record(self.procs.name, rank)
+        procs = self._procs()
         deadline = time.monotonic() + timeout_s
-        while rec.state == ProcState.HUNG and time.monotonic() < deadline and not self.run.stopping:
+        while procs.state(rank) == ProcState.HUNG and time.monotonic() < deadline and not self.run.stopping:
             time.sleep(0.005)
 
     def _restart(self, rank: int) -> None:
@@ -381,7 +385,7 @@ class Membership(Healing):
                 return
             try:
                 self._wait_until_dead(rank)
-                self.procs.restart(rank, timeout_s=self.options.restart_timeout_s)
+                self._procs().restart(rank, timeout_s=self.options.restart_timeout_s)
                 trainer = self.trainers.get(rank)
                 if trainer is not None:  # the restart built a light Trainer again: make it a replica
                     trainer.setup.call_one().get(self.options.restart_timeout_s)
@@ -408,14 +412,8 @@ class Membership(Healing):
 
     def _wait_for_host(self, rank: int) -> None:
         """Until the host of ``rank`` serves again (attached again after it was lost) or the run stops."""
-        from ..runtime.controller import Controller
-
-        controller = Controller.get()
-        host = controller.proc_record(self.procs.name, rank).host
-        while not self.run.stopping:
-            record = controller.hosts.get(host)
-            if record is None or record.state == ProcState.HEALTHY:
-                return
+        procs = self._procs()
+        while not self.run.stopping and not procs.host_serving(rank):
             self.run.stop_event.wait(0.2)
 
     def on_ready(self, rank: int) -> None:

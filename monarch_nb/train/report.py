@@ -7,7 +7,11 @@ import json
 import os
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .coordinator_state import CoordinatorState
+    from .recovery import Membership
 
 __all__ = ["FailureRecord", "TrainReport", "GOODPUT_MEANS", "build_report"]
 
@@ -235,7 +239,7 @@ class TrainReport:
         return "\n".join(lines)
 
 
-def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> TrainReport:
+def build_report(c: "CoordinatorState", digests: set, applied: set, ev: dict, mem: dict) -> TrainReport:
     """The report of the run that coordinator ``c`` ran (its ledger audited against the pure order).
 
     Args:
@@ -243,7 +247,9 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         ev: the final evaluation (``test_accuracy``, ``test_loss``). mem: ``{rank: memory()}``.
     """
     o, run = c.o, c.run
-    audit = run.ledger.audit(run.order, c.next_commit, start=c.start_step)
+    ledger, order = run.sample_ledger(), run.order
+    assert order is not None  # known with the ledger
+    audit = ledger.audit(order, c.next_commit, start=c.start_step)
     end = c.t_end if c.t_end is not None else c.t_last_commit
     wall = max(1e-9, end - c.t_train0)
     rejoin_wait = 0.0 if run.stopping else max(0.0, end - c.t_last_commit)
@@ -276,7 +282,7 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         final_loss=last_loss,
         test_accuracy=ev.get("test_accuracy"),
         test_loss=ev.get("test_loss"),
-        steps=len(run.ledger),
+        steps=len(ledger),
         procs=o.procs,
         hosts=o.procs // o.procs_per_host,
         workload=o.name,
@@ -302,7 +308,7 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
         window_steps_median=float(statistics.median(n for _, n, _ in c.history)) if c.history else 0.0,
         snapshots=snapshot_info,
         restores=list(c.restores),
-        ledger=run.ledger.to_dict(),
+        ledger=ledger.to_dict(),
         rejoin_wait_s=round(rejoin_wait, 3),
         interrupted=run.stopping,
         test_step=test_step,
@@ -313,7 +319,7 @@ def build_report(c: Any, digests: set, applied: set, ev: dict, mem: dict) -> Tra
     return report
 
 
-def _groups(m: Any, procs: int) -> list[dict]:
+def _groups(m: "Membership", procs: int) -> list[dict]:
     """The report's ``groups`` of a sharded run's :class:`~.recovery.Membership` ``m`` over ``procs`` ranks."""
     out = []
     for first in range(0, procs, m.layout.size):

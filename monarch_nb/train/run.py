@@ -175,6 +175,16 @@ class TrainingRun:
             self.ledger = SampleLedger(self.order)
             self.geometry_known.set()
 
+    def sample_ledger(self) -> SampleLedger:
+        """The ledger (training thread, once the data is known).
+
+        Raises:
+            RuntimeError: asked before :meth:`learn_geometry` (a bug in the caller).
+        """
+        if self.ledger is None:
+            raise RuntimeError("the run's data is not known yet: no sample ledger before learn_geometry")
+        return self.ledger
+
     def emit(self, item: dict) -> None:
         with self.lock:
             subscribers = list(self._subscribers)

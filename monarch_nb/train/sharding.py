@@ -182,8 +182,10 @@ def parallelize(model: Any, optimizer: Any, parallelism: "str | Callable[..., An
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=mesh)
-    else:
+    elif callable(parallelism):
         model = parallelism(model, mesh) or model
+    else:
+        raise ValueError(f"parallelize: {parallelism!r} does not split a model (use 'fsdp' or a callable)")
     now = dict(model.named_parameters())
     for group in optimizer.param_groups:  # the same optimizer (a scheduler built on it still works)
         group["params"] = [now[names[id(p)]] for p in group["params"]]
@@ -197,7 +199,7 @@ def cross_group(backend: str, store: Any, rank: int, size: int, timeout_s: float
     import torch.distributed as dist
 
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size)
+        return dist.ProcessGroupNCCL(store, rank, size)  # type: ignore[call-arg]  # the stub wants options; the binding defaults them
     return dist.ProcessGroupGloo(store, rank, size, _timeout(timeout_s))
 
 
@@ -206,7 +208,7 @@ def all_reduce_sum(group: Any, tensor: Any) -> None:
     import torch.distributed as dist
 
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType is what the binding takes
     group.allreduce([tensor], opts).wait()
 
 

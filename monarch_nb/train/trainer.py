@@ -130,7 +130,8 @@ class _Window:
         self.cursor, self.end = order.start, order.start + order.count
         self.finished = False
         self.t_step = 0.0
-        self.status, self.failed_step, self.error, self.local_nonfinite = WindowStatus.OK, None, "", False
+        self.status, self.error, self.local_nonfinite = WindowStatus.OK, "", False
+        self.failed_step: int | None = None
         self.loss: list = []
         self.accuracy: list = []
         self.digest: list = []
@@ -267,7 +268,7 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
             return None
         total = 0
         for r in self.layout.members(self.rank):
-            lo, hi = shard_bounds(self.order.global_batch, self._world, self._ranks.index(r))
+            lo, hi = shard_bounds(self._bound_order().global_batch, self._world, self._ranks.index(r))
             total += hi - lo
         return total
 
@@ -277,8 +278,18 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         self._data, self._steps = data, steps
         self.order = SampleOrder(data.num_samples, global_batch, self.seed)
 
+    def _bound_order(self) -> SampleOrder:
+        """The data order of the function's ``ft.batches`` loop.
+
+        Raises:
+            RuntimeError: the function has not called ``ft.batches`` yet.
+        """
+        if self.order is None:
+            raise RuntimeError("no ft.batches loop yet: the function asks for batches after ft.wrap")
+        return self.order
+
     def _shard(self, step: int) -> Any:
-        batch = self.order.batch(step)
+        batch = self._bound_order().batch(step)
         lo, hi = shard_bounds(len(batch), self._world, self._pos)
         return batch[lo:hi]
 
@@ -322,6 +333,8 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         if step is None:
             raise RuntimeError("ft.step without a batch: call it once per (step, batch) of ft.batches")
         w = self._window
+        if w is None:
+            raise RuntimeError("ft.step outside a window: the loop gives batches only inside one")
         indices = self._shard(step)
         try:
             rec = self._reduce_and_apply(step, len(indices), loss, correct, step in w.order.split,

@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 
 from ..actor.endpoint import endpoint
+from .trainer_fields import TrainerFields
 
 __all__ = ["CollectiveError", "QuorumAborted", "QuorumEndpoints"]
 
@@ -76,13 +77,12 @@ def _abortable_store(real, base, abort_key: str, timeout_s: float):
     return AbortableStore()
 
 
-class QuorumEndpoints:
-    """Joining and leaving quorums. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which
-    provides ``rank``, ``model``, ``backend``, ``store_host``, ``store_port``, ``collective_timeout_s``."""
+class QuorumEndpoints(TrainerFields):
+    """Joining and leaving quorums. A room of :class:`~monarch_nb.train.trainer.Trainer` (its shared
+    fields: :class:`~.trainer_fields.TrainerFields`; ``store_host``, ``store_port`` its own)."""
 
     _store = None
     _pg_ready = False
-    _sharded = False
     _cross = None
 
     def _store_client(self):

@@ -21,24 +21,21 @@ from ..actor.endpoint import endpoint
 from .checkpoints import load_sharded, save_sharded
 from .trainer_snapshot import SnapshotWriter, read_snapshot
 from .trainer_stream import Incoming, bytes_view, capture, manifest, stream_slice
+from .trainer_fields import TrainerFields
 
 __all__ = ["StateEndpoints"]
 
 log = logging.getLogger(__name__)
 
 
-class StateEndpoints:
+class StateEndpoints(TrainerFields):
     """The Trainer's endpoints that move its state: heal (donor and joiner), snapshots, disk
-    checkpoints, memory. A mixin of :class:`~monarch_nb.train.trainer.Trainer`, which provides
-    ``model``, ``optimizer``, ``registered``, ``device``, ``rank``, ``chunk_bytes``,
-    ``applied_steps``, ``next_step``, ``_reduced_step``, ``_broken``, ``_step_ms_avg``, ``_sharded``, ``layout``,
-    ``_group_generation``,
-    ``_leave_group()`` and ``_forget_attempt()``."""
+    checkpoints, memory. A room of :class:`~monarch_nb.train.trainer.Trainer` (its shared fields:
+    :class:`~.trainer_fields.TrainerFields`)."""
 
     _writer: SnapshotWriter | None = None
     _incoming: Incoming | None = None
     _outgoing: list = []
-    _sharded = False
 
     # -- healing: donor side --------------------------------------------------------------------
     @endpoint

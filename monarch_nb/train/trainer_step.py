@@ -46,6 +46,7 @@ from ..actor.endpoint import endpoint
 from ..faults.worker import take_nan
 from .sharding import all_reduce_sum, grad_like, local
 from .trainer_quorum import CollectiveError
+from .trainer_fields import TrainerFields
 
 __all__ = ["Stepping", "STATS", "grad_health", "persistent_buffers"]
 
@@ -69,7 +70,7 @@ def persistent_buffers(model) -> list:
     seen: set[int] = set()
     found = []
     for module in model.modules():
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in skip and id(buf) not in seen:
                 seen.add(id(buf))
@@ -77,18 +78,13 @@ def persistent_buffers(model) -> list:
     return found
 
 
-class Stepping:
-    """The replica's state and its step (see the module docstring). A mixin of
-    :class:`~monarch_nb.train.trainer.Trainer`, which provides ``rank``, ``device``, ``_world``
-    (the quorum's size), ``_broken`` and ``_leave_group()``."""
+class Stepping(TrainerFields):
+    """The replica's state and its step (see the module docstring). A room of
+    :class:`~monarch_nb.train.trainer.Trainer` (its shared fields: :class:`~.trainer_fields.TrainerFields`)."""
 
-    model: Any = None
-    optimizer: Any = None
-    registered: dict = {}
     applied_steps = 0  # updates applied to the parameters
     next_step = 0  # the step whose update comes next
     _attempt_step = -1  # the step whose start state is kept (see _begin_step)
-    _sharded = False  # the model is split inside a replica group (see .sharding)
     _cross: Any = None  # the shard index's process group across groups (sharded runs)
 
     def _adopt(self, model, optimizer) -> None:
