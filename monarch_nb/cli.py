@@ -3,6 +3,7 @@
     monarch-nb demo                    the main job, as `make demo`: train on 4 local procs through a kill and a hang
     monarch-nb train [--procs N] [--steps S] [--fault kill@120:rank=2 ...]   fault-tolerant training + report
     monarch-nb tour [--procs N]        a short tour of the actor API: call actors, inject a fault, recover
+    monarch-nb run [--procs N] [--max-restarts K] script.py ARGS   a torchrun script on every rank (SPMD)
     monarch-nb report FILE.json        print the report of a run saved with `train --report-json`
     monarch-nb install-kernel [--user|--sys-prefix|--prefix P]   the "Monarch (Python 3)" kernelspec
     monarch-nb keys DIR                make a cluster's keys (HMAC + CurveZMQ) for hosts to share
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_train_parser(sub, name="demo", faults=DEMO_FAULTS)
     add_report_parser(sub)
+    from .spmd.cli import add_run_parser
+
+    add_run_parser(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ The closest peers are ipyparallel's ``%px`` family and nbdistributed; what diffe
   output (figures, tables) show per rank, in place and in order;
 - an interrupt (Ctrl-C, the stop button) stops the cell on every selected rank, blocking or not,
   whatever the kernel is doing (see :mod:`.interrupts`);
+- a torchrun script runs on every rank (``%mesh run train.py ARGS``, restarts with ``--max-restarts``);
 - one rank restarts in place (``%mesh restart 2``), and faults are injected from a magic or from
   the supervision-tree widget (``%mesh tree``), which shows failures as they happen and keeps
   answering clicks while a ``%mesh wait`` waits.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -343,6 +345,21 @@ class MeshMagics(Magics):
         procs.restart(args.rank)
         print(f"rank {args.rank} of {procs.name} restarted in {time.monotonic() - t0:.2f} s "
               f"(pid {_controller().proc_record(procs.name, args.rank).pid})")
+
+    def _cmd_run(self, args: argparse.Namespace) -> None:
+        from ..spmd import ScriptFailed, run_script
+
+        procs = self._mesh_for(args.mesh)
+        try:
+            run = run_script(procs, args.script, args.args, max_restarts=args.max_restarts, timeout_s=args.timeout)
+        except (FileNotFoundError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        except ScriptFailed as exc:
+            last = exc.failures[-1]
+            print(f"{exc}\n`%mesh debug {last.rank}` opens rank {last.rank}'s post-mortem", file=sys.stderr)
+            return
+        restarts = f" after {run.attempts - 1} restart(s)" if run.attempts > 1 else ""
+        print(f"{args.script} ended on all {run.world_size} ranks in {run.seconds:.2f} s{restarts}")
 
     def _cmd_logs(self, args: argparse.Namespace) -> None:
         procs = self._mesh_for(args.mesh)

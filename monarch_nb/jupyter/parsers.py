@@ -20,7 +20,7 @@ __all__ = ["SUBCOMMANDS", "HelpShown", "Parser", "build_line_parser", "build_cel
            "parse_params", "parse_fault_spec", "fault_kinds"]
 
 SUBCOMMANDS = ("start", "status", "tree", "stop", "auto", "push", "pull", "scatter", "gather", "barrier", "wait",
-               "fault", "restart", "train", "logs", "debug", "stack", "help")
+               "fault", "restart", "train", "run", "logs", "debug", "stack", "help")
 
 
 class HelpShown(Exception):
@@ -111,6 +111,17 @@ def build_line_parser() -> Parser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[:RANK]", help="a scheduled fault")
     p.add_argument("--wait", action="store_true", help="block until training ends, then print the report")
+
+    p = sub.add_parser("run", help="run a torchrun script on every rank (SPMD): %%mesh run [--max-restarts K] SCRIPT ARGS...",
+                       description="Run SCRIPT as __main__ on every rank of the mesh with torchrun's environment "
+                       "(init_process_group with env:// works unchanged); output per rank, live. A rank's failure stops the "
+                       "others at once; --max-restarts K runs the whole group again. The procs stay up: run it again "
+                       "without paying for procs or `import torch`. After a failure, `%%mesh debug RANK` opens its post-mortem.")
+    p.add_argument("--max-restarts", type=nonneg_int, default=0, help="whole-group restarts after a failure (default 0)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="fail an attempt that runs longer")
+    p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
+    p.add_argument("script", metavar="SCRIPT")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
 
     p = sub.add_parser("logs", help="the last output lines of one rank",
                        description="Print the last output lines a rank wrote (kept by the controller, also after it died).")

@@ -287,6 +287,12 @@ class Controller:
         """
         return self.proc_meshes.rendezvous_host(mesh)
 
+    def new_rendezvous_round(self, mesh: str) -> None:
+        """Give ``mesh``'s procs a fresh rendezvous store (``MASTER_PORT``) before they form a
+        process group again, as torchrun does for each restart (see
+        :meth:`.proc_meshes.ProcMeshes.new_round`); a no-op for a stopped or unknown mesh."""
+        self.proc_meshes.new_round(mesh)
+
     def procs_per_core(self, mesh: str) -> float:
         """See :meth:`.proc_meshes.ProcMeshes.procs_per_core`."""
         return self.proc_meshes.procs_per_core(mesh)

@@ -99,9 +99,14 @@ def retitle(args: Sequence[str]) -> bool:
         return False
 
 
+#: variables left out of a server's key: they change from one test (or cell) to the next and no
+#: import reads them (the forked proc still gets their current value)
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def server_key(python: str, cwd: str | None, preload: Sequence[str], env: dict[str, str]) -> str:
     """What a server's imports depend on, as a short hex digest: procs with equal keys share one."""
-    text = json.dumps([python, cwd or "", list(preload), sorted(env.items())])
+    text = json.dumps([python, cwd or "", list(preload), sorted((k, v) for k, v in env.items() if k not in _VOLATILE)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -8,7 +8,7 @@ bottom up (docs/architecture.md draws them):
 - ``supervision``: records, events, policies, the tree (data)
 - ``actor``: the public actor API, over the ``actor.backend`` Protocol
 - ``runtime``: implements the backend (controller, host agent, proc core)
-- features: ``faults``, ``debug`` and ``job``, then ``train``, then ``jupyter``
+- features: ``faults``, ``debug`` and ``job``, then ``train`` and ``spmd``, then ``jupyter``
 
 The package's ``__init__``, ``proc_main`` and ``cli`` are composition roots and entry points:
 they may import anything.
@@ -40,7 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "debug": CORE | {"runtime"},
     "job": CORE | {"runtime"},
     "train": CORE | {"runtime", "faults", "job"},
-    "jupyter": CORE | {"runtime", "faults", "debug", "train", "job"},
+    "spmd": CORE | {"runtime", "job"},
+    "jupyter": CORE | {"runtime", "faults", "debug", "train", "job", "spmd"},
     "ft": {"train"},  # the public face of train.ft
 }
 ROOTS = {"__init__", "proc_main", "cli", "__main__"}

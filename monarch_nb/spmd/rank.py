@@ -1,0 +1,69 @@
+"""The worker side of a script run: one actor per rank runs the script as ``__main__``.
+
+The script runs on the actor's thread (not the proc's main thread: ``signal.signal`` raises
+there, as in any thread), with ``sys.argv`` set to ``[script, *args]``, the script's folder first
+on ``sys.path`` and the working directory the controller's (where it exists on this host), as
+``python script.py ARGS`` would have them. After it, the default process group it left behind is
+destroyed, so the next run can form one again; modules it imported stay imported (the point of
+reserving the mesh: the second run does not import torch again).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from ..actor.endpoint import Actor, endpoint
+
+__all__ = ["ScriptRank", "ScriptExited"]
+
+
+class ScriptExited(RuntimeError):
+    """The script called ``sys.exit`` with a non-zero status (its ``code`` attribute)."""
+
+    def __init__(self, code: object):
+        self.code = code
+        super().__init__(f"the script exited with status {code}")
+
+
+class ScriptRank(Actor):
+    """Runs a script as ``__main__`` on this rank (see the module docstring)."""
+
+    @endpoint
+    def run(self, path: str, args: list[str], cwd: str | None) -> int:
+        """Run ``path`` with ``sys.argv = [path, *args]``; returns 0 once it returned (or exited 0).
+
+        Raises:
+            ScriptExited: it called ``sys.exit`` with a non-zero status.
+            FileNotFoundError: ``path`` does not exist on this host.
+            whatever the script raises (its traceback is the caller's ActorError; the frames stay
+                here for ``%mesh debug``).
+        """
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist on this host (copy it there, or run from a folder every host shares)")
+        saved_argv, saved_path, saved_cwd = list(sys.argv), list(sys.path), os.getcwd()
+        sys.argv = [path, *args]
+        sys.path.insert(0, os.path.dirname(path))
+        if cwd and os.path.isdir(cwd):
+            os.chdir(cwd)
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise ScriptExited(exc.code) from None
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            os.chdir(saved_cwd)
+            _destroy_default_group()
+        return 0
+
+
+def _destroy_default_group() -> None:
+    """Destroy the default process group the script left (if it used torch.distributed at all)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group whose peers are gone: dropping it is all that is left to do
+            pass

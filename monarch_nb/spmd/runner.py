@@ -1,0 +1,210 @@
+"""The controller's side of a script run: one rendezvous round per attempt, the first failure
+stops the rest at once, ``max_restarts`` whole-group restarts (torchrun's semantics).
+
+Per attempt: a fresh rendezvous store for the mesh (``MASTER_PORT``), then every rank's
+:class:`~.rank.ScriptRank` runs the script. The first rank that fails (raised, exited non-zero,
+its proc died) decides the attempt: every other rank still running has its proc restarted at
+once (killed, and a warm spare or a fork of the host's fork server takes its place), so nobody
+waits out a collective timeout. With restarts left the failed rank's proc is restarted too and
+the group runs again; on the last attempt the failed rank's proc is kept, so its post-mortem is
+there for ``%mesh debug RANK``. While a run is active, its procs' failures are the run's to
+handle (a supervision owner), not reported as unhandled.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..errors import ActorError, MonarchError, SupervisionError
+from .rank import ScriptRank
+
+if TYPE_CHECKING:
+    from ..actor.mesh import ProcMesh
+
+__all__ = ["ScriptFailed", "ScriptRun", "RankFailure", "run_script"]
+
+_ACTOR = "spmd_script"
+#: seconds a stopped rank's proc gets to come back (a restart on a warm spare or a fork takes well under one)
+_RESTART_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What failed an attempt: the first rank to fail and why.
+
+    Attributes:
+        attempt: 0 for the first run, 1 for the first restart, ...
+        rank: the rank.
+        error: its ActorError (it raised or exited non-zero) or SupervisionError (its proc died).
+        at_s: seconds after the attempt started.
+    """
+
+    attempt: int
+    rank: int
+    error: BaseException
+    at_s: float
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """A script run that ended with every rank done.
+
+    Attributes:
+        script: the script's absolute path. args: its arguments.
+        world_size: ranks. attempts: runs of the whole group (1 + restarts used).
+        seconds: from the call to the last rank's return. failures: one per failed attempt.
+    """
+
+    script: str
+    args: tuple[str, ...]
+    world_size: int
+    attempts: int
+    seconds: float
+    failures: tuple[RankFailure, ...] = field(default=())
+
+
+class ScriptFailed(MonarchError, RuntimeError):
+    """Every attempt of a script run failed; ``failures`` says how (the last one's error is the
+    cause, its tracebacks grouped by rank in ``str(err)``)."""
+
+    def __init__(self, script: str, failures: Sequence[RankFailure]):
+        self.script = script
+        self.failures = tuple(failures)
+        last = self.failures[-1]
+        tries = f" (attempt {last.attempt + 1} of {len(self.failures)})" if len(self.failures) > 1 else ""
+        super().__init__(f"{os.path.basename(script)} failed on rank {last.rank}{tries}:\n{last.error}")
+
+
+class _Owner:
+    """The mesh's supervision owner while a script runs: failures of its procs are the run's."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def __supervise__(self, failure: Any) -> bool:
+        return self.active
+
+
+_owners: dict[tuple[str, str], _Owner] = {}
+_actors: dict[tuple[str, str], Any] = {}  # (controller run id, mesh) -> its ScriptRank actor mesh
+_lock = threading.Lock()
+
+
+def run_script(procs: "ProcMesh", script: str, args: Sequence[str] = (), *, max_restarts: int = 0,
+               timeout_s: float | None = None) -> ScriptRun:
+    """Run ``script`` on every rank of ``procs`` as ``python script ARGS`` would (see the module docstring).
+
+    Args:
+        procs: the mesh (its procs stay up afterwards, for the next run).
+        script: the script's path (made absolute here; it must exist on every host).
+        args: its command-line arguments.
+        max_restarts: whole-group restarts after a failure (torchrun's ``--max-restarts``).
+        timeout_s: give up on an attempt after this many seconds (None: no limit); a timeout is a failure.
+
+    Returns:
+        The :class:`ScriptRun` once every rank's script returned.
+
+    Raises:
+        FileNotFoundError: ``script`` does not exist here.
+        ValueError: a negative ``max_restarts``.
+        ScriptFailed: every attempt failed.
+        KeyboardInterrupt: interrupted; every rank still running was stopped first.
+    """
+    from ..runtime.controller import Controller
+
+    path = os.path.abspath(script)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no script {script!r} (looked for {path})")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    owner = _owner(procs)
+    actors = _script_ranks(procs)
+    ranks = actors.flatten("rank")
+    world = len(Controller.get().mesh_records(procs.name))
+    t0 = time.monotonic()
+    failures: list[RankFailure] = []
+    owner.active = True
+    try:
+        for attempt in range(max_restarts + 1):
+            Controller.get().new_rendezvous_round(procs.name)
+            failure = _attempt(procs, ranks, world, path, list(args), attempt, timeout_s, last=attempt == max_restarts)
+            if failure is None:
+                return ScriptRun(path, tuple(args), world, attempt + 1, time.monotonic() - t0, tuple(failures))
+            failures.append(failure)
+        raise ScriptFailed(path, failures)
+    finally:
+        owner.active = False
+
+
+def _owner(procs: "ProcMesh") -> _Owner:
+    with _lock:
+        owner = _owners.get(_key(procs))
+        if owner is None:
+            owner = _owners[_key(procs)] = _Owner()
+            procs.supervise("escalate", owner=owner)
+    return owner
+
+
+def _script_ranks(procs: "ProcMesh") -> Any:
+    """The mesh's ScriptRank actors, spawned on its first run (a restarted proc gets its own again)."""
+    with _lock:
+        actors = _actors.get(_key(procs))
+        if actors is None:
+            actors = _actors[_key(procs)] = procs.spawn(_ACTOR, ScriptRank)
+    actors.initialized.get()
+    return actors
+
+
+def _key(procs: "ProcMesh") -> tuple[str, str]:
+    """A mesh across controllers (a new session's ``pm0`` is another mesh)."""
+    from ..runtime.controller import Controller
+
+    return Controller.get().run_id, procs.name
+
+
+def _attempt(procs: "ProcMesh", ranks: Any, world: int, path: str, args: list[str], attempt: int,
+             timeout_s: float | None, *, last: bool) -> RankFailure | None:
+    """One run of the whole group; None when every rank returned, else the first failure."""
+    t0 = time.monotonic()
+    cwd = os.getcwd()
+    done: "queue.SimpleQueue[tuple[int, BaseException | None]]" = queue.SimpleQueue()
+    for r in range(world):
+        future = ranks.slice(rank=r).run.call_one(path, args, cwd)
+        future.add_done_callback(lambda f, r=r: done.put((r, f.exception(0))))
+    running = set(range(world))
+    try:
+        while running:
+            left = None if timeout_s is None else timeout_s - (time.monotonic() - t0)
+            try:
+                rank, error = done.get(timeout=None if left is None else max(0.0, left))
+            except queue.Empty:
+                rank, error = min(running), TimeoutError(f"the script did not end within {timeout_s} s")
+            running.discard(rank)
+            if error is None:
+                continue
+            failure = RankFailure(attempt, rank, error, time.monotonic() - t0)
+            keep = {rank} if last and isinstance(error, ActorError) else set()  # its post-mortem, for %mesh debug
+            _restart(procs, (running | {rank}) - keep)
+            return failure
+    except KeyboardInterrupt:
+        _restart(procs, running)
+        raise
+    return None
+
+
+def _restart(procs: "ProcMesh", ranks: set[int]) -> None:
+    """Restart the procs of ``ranks`` at once, in parallel (each kill releases its peers' collectives)."""
+    if not ranks:
+        return
+    with ThreadPoolExecutor(len(ranks), thread_name_prefix="monarch_nb-spmd-restart") as pool:
+        for done in [pool.submit(procs.restart, r, _RESTART_TIMEOUT_S) for r in sorted(ranks)]:
+            try:
+                done.result()
+            except SupervisionError:  # died again while coming back: the next attempt's call says so
+                pass
