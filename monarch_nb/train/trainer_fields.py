@@ -26,6 +26,8 @@ class TrainerFields:
     rank: int  #: this replica's global rank
     layout: "GroupLayout"  #: the replica groups
     collective_timeout_s: float  #: timeout of rendezvous and collectives, seconds
+    store_host: str  #: the controller's rendezvous TCPStore
+    store_port: int
     chunk_bytes: int  #: largest piece of state per heal message, bytes
     _group_generation: int  #: the incarnation of this rank's replica group (sharded runs)
     _sharded: bool = False  #: the model is split inside a replica group (see .sharding)

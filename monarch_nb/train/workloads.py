@@ -299,8 +299,9 @@ class LlamaWorkload(CharLMWorkload):
     def build_model(self):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=256, max_position_embeddings=self.context, tie_word_embeddings=False,
-                             attn_implementation="sdpa", **LLAMA_SIZES[self.size])
+        settings: dict[str, Any] = dict(vocab_size=256, max_position_embeddings=self.context, tie_word_embeddings=False,
+                                        attn_implementation="sdpa", **LLAMA_SIZES[self.size])
+        config = LlamaConfig(**settings)
         return _LogitsOnly(LlamaForCausalLM(config))
 
 
@@ -325,6 +326,8 @@ def _TinyTransformer(vocab: int, context: int, d_model: int, layers: int, heads:
     from torch import nn
 
     class TinyTransformer(nn.Module):
+        mask: torch.Tensor  # a registered buffer
+
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(vocab, d_model)
