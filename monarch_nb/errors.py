@@ -26,6 +26,7 @@ __all__ = [
     "format_remote_traceback",
     "capture_traceback",
     "format_ranks",
+    "says_peer_gone",
     "group_identical",
 ]
 
@@ -114,6 +115,18 @@ def format_remote_traceback(info: dict) -> str:
     lines.append(f"{exc_name}: {message}\n" if message else f"{exc_name}\n")
     parts.append("".join(lines))
     return "".join(parts)
+
+
+#: how torch's gloo and NCCL backends say that a peer of a collective is gone (their errors are
+#: plain RuntimeErrors, or torch.distributed.DistError subclasses in newer builds)
+PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+                     "Timed out waiting", "ProcessGroupNCCL")
+
+
+def says_peer_gone(message: str) -> bool:
+    """True if an error's ``message`` is a collective's backend saying a peer is gone (see
+    :data:`PEER_GONE_MARKERS`): the rank that raised it is a survivor, not the cause."""
+    return any(marker in message for marker in PEER_GONE_MARKERS)
 
 
 def format_ranks(ranks: "Iterable[int]") -> str:

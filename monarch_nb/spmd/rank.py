@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
 
@@ -32,7 +33,9 @@ class ScriptRank(Actor):
 
     @endpoint
     def run(self, path: str, args: list[str], cwd: str | None) -> int:
-        """Run ``path`` with ``sys.argv = [path, *args]``; returns 0 once it returned (or exited 0).
+        """Run ``path`` with ``sys.argv = [path, *args]``; once it returned (or exited 0), return
+        the number of lines it printed through ``sys.stdout`` and ``sys.stderr`` (the controller
+        waits for them, so a run's last lines come before its end).
 
         Raises:
             ScriptExited: it called ``sys.exit`` with a non-zero status.
@@ -43,6 +46,9 @@ class ScriptRank(Actor):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist on this host (copy it there, or run from a folder every host shares)")
         saved_argv, saved_path, saved_cwd = list(sys.argv), list(sys.path), os.getcwd()
+        saved_streams = sys.stdout, sys.stderr
+        out, err = _LineCounter(sys.stdout), _LineCounter(sys.stderr)
+        sys.stdout, sys.stderr = out, err  # counting proxies of the streams
         sys.argv = [path, *args]
         sys.path.insert(0, os.path.dirname(path))
         if cwd and os.path.isdir(cwd):
@@ -53,10 +59,28 @@ class ScriptRank(Actor):
             if exc.code not in (None, 0):
                 raise ScriptExited(exc.code) from None
         finally:
+            out.flush()
+            err.flush()
+            sys.stdout, sys.stderr = saved_streams
             sys.argv, sys.path[:] = saved_argv, saved_path
             os.chdir(saved_cwd)
             _destroy_default_group()
-        return 0
+        return out.lines + err.lines
+
+
+class _LineCounter:
+    """A text stream that counts the newlines written through it (and passes everything on)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self.lines = 0
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _destroy_default_group() -> None:

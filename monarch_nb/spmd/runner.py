@@ -3,7 +3,8 @@ stops the rest at once, ``max_restarts`` whole-group restarts (torchrun's semant
 
 Per attempt: a fresh rendezvous store for the mesh (``MASTER_PORT``), then every rank's
 :class:`~.rank.ScriptRank` runs the script. The first rank that fails (raised, exited non-zero,
-its proc died) decides the attempt: every other rank still running has its proc restarted at
+its proc died) decides the attempt (a survivor whose collective lost its peer is not the cause:
+the peer's own failure, reported a moment later, is): every other rank still running has its proc restarted at
 once (killed, and a warm spare or a fork of the host's fork server takes its place), so nobody
 waits out a collective timeout. With restarts left the failed rank's proc is restarted too and
 the group runs again; on the last attempt the failed rank's proc is kept, so its post-mortem is
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import ActorError, MonarchError, SupervisionError
+from ..errors import ActorError, MonarchError, SupervisionError, says_peer_gone
 from .rank import ScriptRank
 
 if TYPE_CHECKING:
@@ -32,6 +33,10 @@ __all__ = ["ScriptFailed", "ScriptRun", "RankFailure", "run_script"]
 _ACTOR = "spmd_script"
 #: seconds a stopped rank's proc gets to come back (a restart on a warm spare or a fork takes well under one)
 _RESTART_TIMEOUT_S = 60.0
+#: how long a survivor's "peer gone" error waits for the peer's own failure, seconds (it comes in milliseconds)
+_ROOT_CAUSE_WAIT_S = 1.0
+#: how long a finished run waits for its ranks' last output lines, seconds (they take milliseconds)
+_OUTPUT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -173,29 +178,93 @@ def _attempt(procs: "ProcMesh", ranks: Any, world: int, path: str, args: list[st
     """One run of the whole group; None when every rank returned, else the first failure."""
     t0 = time.monotonic()
     cwd = os.getcwd()
-    done: "queue.SimpleQueue[tuple[int, BaseException | None]]" = queue.SimpleQueue()
+    done: "queue.SimpleQueue[tuple[int, Any]]" = queue.SimpleQueue()
+    seen = _LinesSeen(procs.name)
     for r in range(world):
         future = ranks.slice(rank=r).run.call_one(path, args, cwd)
-        future.add_done_callback(lambda f, r=r: done.put((r, f.exception(0))))
+        future.add_done_callback(lambda f, r=r: done.put((r, f.exception(0) or f.get(0))))
     running = set(range(world))
+    printed: dict[int, int] = {}
     try:
         while running:
             left = None if timeout_s is None else timeout_s - (time.monotonic() - t0)
             try:
-                rank, error = done.get(timeout=None if left is None else max(0.0, left))
+                rank, answer = done.get(timeout=None if left is None else max(0.0, left))
             except queue.Empty:
-                rank, error = min(running), TimeoutError(f"the script did not end within {timeout_s} s")
+                rank, answer = min(running), TimeoutError(f"the script did not end within {timeout_s} s")
             running.discard(rank)
-            if error is None:
+            if not isinstance(answer, BaseException):
+                printed[rank] = int(answer)
                 continue
-            failure = RankFailure(attempt, rank, error, time.monotonic() - t0)
-            keep = {rank} if last and isinstance(error, ActorError) else set()  # its post-mortem, for %mesh debug
-            _restart(procs, (running | {rank}) - keep)
+            failure = _root_cause(RankFailure(attempt, rank, answer, time.monotonic() - t0), done, running, t0)
+            running.discard(failure.rank)
+            keep = {failure.rank} if last and isinstance(failure.error, ActorError) else set()  # its post-mortem, for %mesh debug
+            _restart(procs, (running | {rank, failure.rank}) - keep)
             return failure
+        seen.wait_for(printed, _OUTPUT_WAIT_S)
+        return None
     except KeyboardInterrupt:
         _restart(procs, running)
         raise
-    return None
+    finally:
+        seen.close()
+
+
+def _root_cause(first: RankFailure, done: "queue.SimpleQueue[tuple[int, Any]]", running: set[int], t0: float) -> RankFailure:
+    """The failure that caused ``first``: a survivor's collective that lost its peer (gloo's
+    "Connection closed by peer") often answers before the peer's death is reported; then the
+    death (or another rank's own error) that comes within ``_ROOT_CAUSE_WAIT_S`` is the cause."""
+    if not _lost_a_peer(first.error):
+        return first
+    deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+    while running:
+        try:
+            rank, answer = done.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        running.discard(rank)
+        if isinstance(answer, BaseException) and not _lost_a_peer(answer):
+            return RankFailure(first.attempt, rank, answer, time.monotonic() - t0)
+    return first
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    return isinstance(error, ActorError) and says_peer_gone(error.remote.get("message", ""))
+
+
+class _LinesSeen:
+    """Counts the whole output lines the controller received from each rank of ``mesh`` (an
+    output sink, while an attempt runs): the script's last lines are shown before its end."""
+
+    def __init__(self, mesh: str):
+        from ..runtime.controller import Controller
+
+        self.mesh = mesh
+        self.counts: dict[int, int] = {}
+        self.cond = threading.Condition()
+        self._sinks = Controller.get().output_sinks
+        self._sinks.append(self)
+
+    def __call__(self, line: Any) -> None:
+        if line.mesh == self.mesh:
+            with self.cond:
+                self.counts[line.rank] = self.counts.get(line.rank, 0) + 1
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        if self in self._sinks:
+            self._sinks.remove(self)
+
+    def wait_for(self, printed: dict[int, int], timeout_s: float) -> None:
+        """Until each rank's ``printed`` lines arrived (they travel through its host agent, the
+        reply straight from the proc), at most ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(self.counts.get(r, 0) < n for r, n in printed.items()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
 
 
 def _restart(procs: "ProcMesh", ranks: set[int]) -> None:

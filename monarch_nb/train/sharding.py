@@ -35,6 +35,8 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import says_peer_gone
+
 __all__ = ["GroupLayout", "PARALLELISMS", "check_parallelism", "form_group", "parallelize", "cross_group",
            "local", "grad_like", "like_sharded", "all_reduce_sum", "broadcast", "snapshot_slots",
            "SNAPSHOT_EVERY", "GroupCollectiveError", "broke_the_group"]
@@ -111,19 +113,13 @@ class GroupCollectiveError(RuntimeError):
     records it as kind ``group`` and restarts the group."""
 
 
-#: how torch's gloo and NCCL backends say that a peer of a collective is gone (their errors are
-#: plain RuntimeErrors, or torch.distributed.DistError subclasses in newer builds)
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "Timed out waiting", "ProcessGroupNCCL")
-
-
 def broke_the_group(exc: BaseException) -> bool:
     """True if ``exc`` (raised out of a training step) is a collective's failure, not the step's own bug."""
     import torch.distributed as dist
 
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_GONE)
+    return isinstance(exc, RuntimeError) and says_peer_gone(str(exc))
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
