@@ -50,6 +50,24 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def live_processes() -> list[tuple[int, int, list[bytes]]]:
+    """``(pid, parent pid, command line)`` of every live (not zombie) process of this machine."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                after = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().rstrip(b"\0").split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if after[0] not in ("Z", "X"):
+            found.append((int(entry), int(after[1]), argv))
+    return found
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.01, message: str = "condition"):
     """Poll ``predicate`` until it is truthy or ``timeout_s`` passes; return its value or fail."""
     deadline = time.monotonic() + timeout_s

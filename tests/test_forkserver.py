@@ -16,25 +16,12 @@ from monarch_nb.runtime.hosts import LOCAL
 from monarch_nb.supervision.records import ProcState
 
 from .actors import Whereabouts
-from .conftest import pid_alive, wait_until
+from .conftest import live_processes, pid_alive, wait_until
 
 
 def _forkservers(agent_pid: int) -> list[int]:
     """Pids of the fork servers that ``agent_pid`` started (a forked proc rewrites its command line)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == agent_pid and b"--forkserver" in argv and pid_alive(int(entry)):
-            found.append(int(entry))
-    return found
+    return [pid for pid, ppid, argv in live_processes() if ppid == agent_pid and b"--forkserver" in argv]
 
 
 @pytest.fixture

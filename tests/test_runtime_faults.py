@@ -17,7 +17,7 @@ from monarch_nb.supervision.records import ProcState
 from monarch_nb.supervision.tree import find
 
 from .actors import Counter, Worker
-from .conftest import hang_deadline_s, pid_alive, wait_until
+from .conftest import hang_deadline_s, live_processes, pid_alive, wait_until
 
 
 def _spares(procs) -> list[dict]:
@@ -30,18 +30,7 @@ def _ready_spare_pids(procs) -> set[int]:
 
 def _procs_named(identity: str) -> list[int]:
     """Pids of live processes started as proc ``identity`` (by command line or as a spare that took it)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"monarch_nb.proc_main" in argv and identity.encode() in argv and pid_alive(int(pid)):
-            found.append(int(pid))
-    return found
+    return [pid for pid, _, argv in live_processes() if b"monarch_nb.proc_main" in argv and identity.encode() in argv]
 
 
 def test_a_warm_spare_takes_a_killed_ranks_place_and_the_pool_refills(no_leaked_processes):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["PlacementError", "Placement", "parse_workers", "resolve", "procs_per_host"]
+__all__ = ["PlacementError", "Placement", "parse_workers", "resolve", "procs_per_host", "run_placed"]
 
 #: ``--hosts`` values that mean this machine (no worker loop, no port)
 _THIS_HOST = ("localhost", "127.0.0.1")
@@ -65,6 +65,27 @@ def parse_workers(spec: str) -> list[str]:
     if not out:
         raise PlacementError("--hosts needs at least one HOST:PORT")
     return out
+
+
+def run_placed(command: str, args: Any, main: "Callable[[Placement], int]") -> int:
+    """A command's body on the hosts of its ``--hosts``/``--ca``/``--job``/``--mesh`` (``args``):
+    ``main(placement)``'s exit status, or 2 with ``monarch-nb COMMAND: error: ...`` on stderr for
+    options that cannot be placed. Hosts attached for it are detached after (their worker loops
+    wait for the next controller; a job keeps running)."""
+    import sys
+
+    try:
+        placement = resolve(args.hosts, args.job, args.ca, args.mesh)
+    except ValueError as exc:
+        print(f"monarch-nb {command}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return main(placement)
+    finally:
+        if placement.attached:
+            from ..runtime.controller import Controller
+
+            Controller.get().detach_hosts(placement.attached)
 
 
 def resolve(hosts: str | None, job: str | None, ca: str | None, mesh: str | None) -> Placement:

@@ -67,23 +67,12 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from ..job import placement as placement_mod
+    from ..job.placement import run_placed
 
     if not os.path.isfile(args.script):
         print(f"monarch-nb run: error: no script {args.script!r} (see monarch-nb run --help)", file=sys.stderr)
         return 2
-    try:
-        placement = placement_mod.resolve(args.hosts, args.job, args.ca, args.mesh)
-    except ValueError as exc:
-        print(f"monarch-nb run: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return _run(args, placement)
-    finally:
-        if placement.attached:
-            from ..runtime.controller import Controller
-
-            Controller.get().detach_hosts(placement.attached)
+    return run_placed("run", args, lambda placement: _run(args, placement))
 
 
 def _run(args: argparse.Namespace, placement) -> int:

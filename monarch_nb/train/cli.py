@@ -102,20 +102,9 @@ def add_report_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..job import placement as placement_mod
+    from ..job.placement import run_placed
 
-    try:
-        placement = placement_mod.resolve(args.hosts, args.job, args.ca, args.mesh)
-    except ValueError as exc:
-        print(f"monarch-nb train: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return _train(args, placement)
-    finally:
-        if placement.attached:  # their worker loops wait for the next controller (a job keeps running)
-            from ..runtime.controller import Controller
-
-            Controller.get().detach_hosts(placement.attached)
+    return run_placed("train", args, lambda placement: _train(args, placement))
 
 
 def _train(args: argparse.Namespace, placement) -> int:
