@@ -160,6 +160,9 @@ def no_leaked_processes(suite_settings):
         seen |= _known_pids(controller)
         controller.shutdown()
     wait_until(lambda: not [p for p in seen if pid_alive(p)], 5.0, message=f"no leaked process among {sorted(seen)}")
+    # fork servers are the host agents' children, unknown to the controller: one whose agent is gone is a leak
+    wait_until(lambda: not [pid for pid, ppid, argv in live_processes() if b"--forkserver" in argv and ppid == 1], 5.0,
+               message="no orphaned fork server")
     wait_until(lambda: _leftovers(seen) == ([], []), 5.0, message=f"no run folder or /dev/shm file left: {_leftovers(seen)}")
 
 
