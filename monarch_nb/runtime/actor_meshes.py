@@ -103,7 +103,7 @@ class ActorMeshes:
     def _targets(self, mesh: str, ranks: list[int]) -> list[Target]:
         if mesh == CLIENT_MESH:
             return [Target(LOCAL_PROC, 0, {})]
-        return [self.ctrl._target(mesh, r) for r in ranks]
+        return [self.ctrl.target(mesh, r) for r in ranks]
 
     def spawn(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
               spawn_extent: Extent, owner: Owner | None, creator: Any) -> str:

@@ -54,7 +54,7 @@ class ProcMeshes:
             RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
         """
         ctrl = self.ctrl
-        with ctrl._lock:
+        with ctrl.records_lock:
             if name is None:
                 name = f"pm{next(self._ids)}"
                 while name in ctrl.meshes:
@@ -62,18 +62,18 @@ class ProcMeshes:
             elif not name.isidentifier() or name in ctrl.meshes:
                 raise ValueError(f"proc mesh name {name!r} must be a new identifier")
         names = [self._serving_host(h) for h in hosts]
-        placements = {h: ctrl._hosts.placement(h) for h in set(names)}
+        placements = {h: ctrl.host_agents.placement(h) for h in set(names)}
         remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
         store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
         specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
                            master=(store.host, store.port), python=python,
                            threads=self._cpu_threads(names, extent.nelements // max(1, len(names))), preload=preload)
         cores = _cores()
-        local = sum(1 for s in specs if ctrl._hosts.is_local(s["host"]))
+        local = sum(1 for s in specs if ctrl.host_agents.is_local(s["host"]))
         if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
             log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
-        with ctrl._lock:
+        with ctrl.records_lock:
             for rec in records:
                 ctrl.procs[rec.identity] = rec
             ctrl.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records], supervision=SupervisionPolicy())
@@ -96,7 +96,7 @@ class ProcMeshes:
             ValueError: an unknown host.
             AttachError: the host is lost and did not come back in time.
         """
-        hosts = self.ctrl._hosts
+        hosts = self.ctrl.host_agents
         deadline = time.monotonic() + host_return_s()
         while True:
             try:
@@ -215,7 +215,7 @@ class ProcMeshes:
         a survivor still waiting in it for the dead rank (``init_process_group`` of a group it
         was joining) is released at once instead of at the rendezvous timeout. IO thread or any."""
         ctrl = self.ctrl
-        with ctrl._lock:
+        with ctrl.records_lock:
             record = ctrl.meshes.get(mesh)
             store = self._stores.get(mesh)
             if record is None or record.stopped or store is None:
@@ -276,7 +276,7 @@ class ProcMeshes:
 
     def restart(self, rec: ProcRecord, timeout_s: float) -> None:
         """Restart the proc of ``rec`` in place (see :meth:`Controller.restart_proc`)."""
-        self.ctrl._hosts.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
+        self.ctrl.host_agents.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
         if not rec.restart_lock.acquire(blocking=False):  # a restart is under way: it is the one
             self.ctrl.record_event("restart_skipped", rec, detail=f"already being restarted (restart {rec.restarts})",
                                    cause="restart")
