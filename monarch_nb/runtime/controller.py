@@ -387,6 +387,22 @@ class Controller:
         target = Target(rec.identity, rec.rank, rec.coords)
         return [self._send_spawn([target], s, None, even_if_failed=True) for s in spawns]
 
+    # -- for the rooms: what one room asks of another ------------------------------------------------
+    def stop_mesh_actors(self, mesh: str) -> None:
+        """Proc mesh ``mesh`` is stopping: what its actors own stops first, its actors are marked
+        stopped (see :meth:`.actor_meshes.ActorMeshes.before_stop_procs`)."""
+        self.actor_meshes.before_stop_procs(mesh)
+
+    def report_failure(self, rec: ProcRecord, cause: str, detail: str, signame: str | None, *, handle: bool = True) -> None:
+        """Hand ``rec``'s failure to the supervisor thread; not ``handle``: recorded only (see
+        :meth:`.supervisor.Supervisor.on_failure`). Any thread, never blocks."""
+        self.supervisor.on_failure(rec, cause, detail, signame, handle=handle)
+
+    def fail_host_procs(self, host: str, why: str) -> None:
+        """Host ``host`` is lost: every proc of it fails with cause ``host_lost`` (see
+        :meth:`.liveness.Liveness.host_lost`)."""
+        self.liveness.host_lost(host, why)
+
     def target(self, mesh: str, rank: int) -> Target:
         """Where a message to rank ``rank`` of proc mesh ``mesh`` goes (its proc's identity and coordinates)."""
         rec = self.procs[proc_identity(mesh, rank)]

@@ -313,7 +313,7 @@ class Hosts:
             self._reattaching.add(record.name)
         record.state = ProcState.FAILED
         self.ctrl.record_host_event("host_lost", record, detail=why, cause="host_lost")
-        self.ctrl.liveness.host_lost(record.name, why)
+        self.ctrl.fail_host_procs(record.name, why)
         if reattach:
             threading.Thread(target=self._reattach, args=(record.name,), name=f"monarch_nb-reattach-{record.name}",
                              daemon=True).start()

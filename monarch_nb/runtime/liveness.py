@@ -158,8 +158,8 @@ class Liveness:
         for other in self._peers(rec, include_starting=False):
             failed: PeerHeader = {"kind": Kind.PROC_FAILED, "proc": rec.identity}
             ctrl.channel.send(other.identity, failed, note)
-        ctrl.proc_meshes.new_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
-        ctrl.supervisor.on_failure(rec, cause, detail, signame, handle=supervise)
+        ctrl.new_rendezvous_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
+        ctrl.report_failure(rec, cause, detail, signame, handle=supervise)
 
     def _peers(self, rec: ProcRecord, include_starting: bool) -> list[ProcRecord]:
         return [other for other in list(self.ctrl.procs.values())

@@ -248,7 +248,7 @@ class ProcMeshes:
         record = ctrl.meshes.get(mesh)
         if record is None or record.stopped:
             return
-        ctrl.actor_meshes.before_stop_procs(mesh)
+        ctrl.stop_mesh_actors(mesh)
         record.stopped = True
         records = [ctrl.procs[i] for i in record.procs]
         for host in {r.host for r in records}:
