@@ -2,7 +2,8 @@
 
 :class:`ProcMeshes` is a part of the :class:`~monarch_nb.runtime.controller.Controller` (it works
 on the controller's records: ``procs``, ``meshes``, ``hosts``), kept here so that the
-controller's module stays the hub and each room does one thing. Every proc mesh gets a
+controller's module stays the hub and each room does one thing; of the controller it sees only
+:class:`ProcMeshesController` (and of the hosts room only :class:`HostPlacement`). Every proc mesh gets a
 :class:`~monarch_nb.runtime.rendezvous.LazyStore` on an address all its hosts reach, named in
 its procs' ``MASTER_ADDR`` / ``MASTER_PORT``; warm spares are asked of each host's agent once the
 mesh serves. A restart reuses the proc's spec (same rank, coordinates and environment) and is
@@ -16,7 +17,7 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..actor.shape import Extent
 from ..config import config
@@ -29,17 +30,82 @@ from .protocol import Kind, RendezvousHeader
 from .rendezvous import LazyStore
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    import threading
 
-__all__ = ["ProcMeshes"]
+    from ..supervision.events import Event, EventLog
+    from ..transport.channel import Channel
+    from .messenger import Messenger
+
+__all__ = ["ProcMeshes", "ProcMeshesController", "HostPlacement"]
 
 log = logging.getLogger(__name__)
+
+
+class HostPlacement(Protocol):
+    """What :class:`ProcMeshes` uses of the hosts room (:class:`~.hosts.Hosts` is one)."""
+
+    def resolve(self, host: str) -> HostRecord:
+        """The record of ``host``, started or attached and serving (raises ValueError, AttachError)."""
+
+    def reattaching(self, host: str) -> bool:
+        """``host`` is lost and being attached again (a spawn on it waits for its return)."""
+
+    def placement(self, host: str) -> dict:
+        """Where procs of ``host`` connect and what they inherit (``controller``, ``base_env``, ``run_id``, ``master_ip``)."""
+
+    def is_local(self, host: str) -> bool:
+        """``host`` names this machine's host agent."""
+
+
+class ProcMeshesController(Protocol):
+    """What :class:`ProcMeshes` uses of its controller (:class:`~.controller.Controller` is one)."""
+
+    @property
+    def procs(self) -> dict[str, ProcRecord]:
+        """Proc identity -> its record (a new mesh's records are added here)."""
+
+    @property
+    def meshes(self) -> dict[str, ProcMeshRecord]:
+        """Proc mesh name -> its record."""
+
+    @property
+    def hosts(self) -> dict[str, HostRecord]:
+        """Host agent name -> its record (its machine and cores, its warm spares)."""
+
+    @property
+    def records_lock(self) -> threading.RLock:
+        """Guards ``procs`` and ``meshes`` while a mesh's name and records are added, or its rendezvous round renewed."""
+
+    @property
+    def host_agents(self) -> HostPlacement:
+        """The hosts room: which hosts serve, where their procs connect."""
+
+    @property
+    def channel(self) -> Channel:
+        """The controller's socket: sends to agents and procs, watches a rendezvous store's listening socket."""
+
+    @property
+    def messenger(self) -> Messenger:
+        """Fails the calls in flight to procs that stop or restart."""
+
+    @property
+    def events(self) -> EventLog:
+        """The event log (a restarted proc that does not serve says why with the last event)."""
+
+    def record_event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
+        """Append an event about ``rec``'s proc to the log."""
+
+    def signal_proc(self, identity: str, signame: str) -> None:
+        """Have the proc's host agent send it ``signame`` (``"SIGKILL"``: a stop's last resort, a restart's first step)."""
+
+    def stop_mesh_actors(self, mesh: str) -> None:
+        """Proc mesh ``mesh`` is stopping: what its actors own stops first, its actors are marked stopped."""
 
 
 class ProcMeshes:
     """Spawn, stop and restart the procs of the controller ``ctrl`` (see the module docstring)."""
 
-    def __init__(self, ctrl: "Controller"):
+    def __init__(self, ctrl: ProcMeshesController):
         self.ctrl = ctrl
         self._stores: dict[str, LazyStore] = {}  # mesh -> the store of its current rendezvous round
         self._ids = itertools.count()
