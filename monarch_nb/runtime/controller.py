@@ -8,7 +8,12 @@ dispatched by kind (:class:`~monarch_nb.runtime.protocol.Kind`) from one table. 
 in rooms beside it: proc meshes are started, stopped and restarted by :mod:`.proc_meshes`, actor
 meshes by :mod:`.actor_meshes`, hosts attached and lost by :mod:`.hosts`; liveness
 (:mod:`.liveness`) turns hellos, heartbeats and exits into states and events, the supervisor
-thread (:mod:`.supervisor`) applies policies. The controller never exits or interrupts the main
+thread (:mod:`.supervisor`) applies policies. Each room takes not this class but a Protocol of
+its own module naming what it uses of it (e.g. :class:`~.proc_meshes.ProcMeshesController`),
+which mypy checks this class satisfies where it builds the room; what one room asks of another
+goes through a method here that names the act (:meth:`Controller.stop_mesh_actors`,
+:meth:`Controller.report_failure`, :meth:`Controller.fail_host_procs`,
+:meth:`Controller.new_rendezvous_round`). The controller never exits or interrupts the main
 thread because of a fault: it is a notebook kernel.
 """
 
