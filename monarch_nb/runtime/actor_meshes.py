@@ -12,6 +12,9 @@ the same name can be spawned again (any name can be spawned again: ids are made 
 
 ``get_or_spawn_controller`` singletons live on the client's own proc and belong to the runtime;
 a failed one is reported on the next lookup.
+
+Of its controller :class:`ActorMeshes` sees only :class:`ActorMeshesController` (and of the proc
+meshes room only :class:`ProcSpawner`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..actor.backend import Target
 from ..actor.context import CLIENT_MESH
@@ -38,9 +41,13 @@ from .actors import error_info
 from .protocol import ActorFailedHeader, CallHeader, ControlHeader, Kind, ReplyHeader
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from ..supervision.events import EventLog
+    from ..supervision.records import ProcMeshRecord
+    from ..transport.channel import Channel
+    from .actor_host import ActorHost
+    from .messenger import Messenger
 
-__all__ = ["ActorMeshes", "ActorMeshRecord", "LOCAL_PROC"]
+__all__ = ["ActorMeshes", "ActorMeshesController", "ProcSpawner", "ActorMeshRecord", "LOCAL_PROC"]
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +83,58 @@ class ActorMeshRecord:
         return [(proc_identity(self.proc_mesh, r), self.id) for r in self.ranks]
 
 
+class ProcSpawner(Protocol):
+    """What :class:`ActorMeshes` uses of the proc meshes room (:class:`~.proc_meshes.ProcMeshes` is one)."""
+
+    def spawn(self, hosts: list[str], extent: Extent, name: str | None = None, python: str = "", *,
+              spares: int = 0, preload: Sequence[str] = ()) -> str:
+        """Start ``extent.nelements`` procs over ``hosts``; return the new mesh's name. Blocks until they serve."""
+
+
+class ActorMeshesController(Protocol):
+    """What :class:`ActorMeshes` uses of its controller (:class:`~.controller.Controller` is one)."""
+
+    @property
+    def meshes(self) -> dict[str, ProcMeshRecord]:
+        """Proc mesh name -> its record (the actors spawned on it, for restarts)."""
+
+    @property
+    def events(self) -> EventLog:
+        """The event log: an ``escalated`` proc failure fails the actors it held."""
+
+    @property
+    def channel(self) -> Channel:
+        """The controller's socket: answers control requests, sends ``supervise`` to owners."""
+
+    @property
+    def messenger(self) -> Messenger:
+        """Sends constructors and stops to procs, a Future of their replies."""
+
+    @property
+    def local_host(self) -> ActorHost:
+        """The client's own proc (``LOCAL_PROC``): its actors are reached without a socket."""
+
+    @property
+    def proc_meshes(self) -> ProcSpawner:
+        """The proc meshes room, to spawn the procs an actor asks for."""
+
+    def target(self, mesh: str, rank: int) -> Target:
+        """Where a message to rank ``rank`` of proc mesh ``mesh`` goes."""
+
+    def mesh_stopped(self, mesh: str) -> bool:
+        """True once proc mesh ``mesh`` was stopped."""
+
+    def stop_procs(self, mesh: str, timeout_s: float | None = None) -> None:
+        """Stop the procs of ``mesh`` (what an owner owned, an actor's request). Idempotent, blocks."""
+
+    def set_log_level(self, mesh: str, level: int) -> None:
+        """Set the logging level of ``mesh``'s live procs (an actor's request)."""
+
+
 class ActorMeshes:
     """The controller's actor meshes and the ownership tree (thread-safe)."""
 
-    def __init__(self, ctrl: "Controller"):
+    def __init__(self, ctrl: ActorMeshesController):
         self.ctrl = ctrl
         self.records: dict[str, ActorMeshRecord] = {}
         self.owned: dict[Owner | None, list[tuple[str, str]]] = {}  # owner -> [("actors", id) | ("procs", name)]
@@ -103,7 +158,7 @@ class ActorMeshes:
     def _targets(self, mesh: str, ranks: list[int]) -> list[Target]:
         if mesh == CLIENT_MESH:
             return [Target(LOCAL_PROC, 0, {})]
-        return [self.ctrl._target(mesh, r) for r in ranks]
+        return [self.ctrl.target(mesh, r) for r in ranks]
 
     def spawn(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
               spawn_extent: Extent, owner: Owner | None, creator: Any) -> str:

@@ -8,7 +8,12 @@ dispatched by kind (:class:`~monarch_nb.runtime.protocol.Kind`) from one table. 
 in rooms beside it: proc meshes are started, stopped and restarted by :mod:`.proc_meshes`, actor
 meshes by :mod:`.actor_meshes`, hosts attached and lost by :mod:`.hosts`; liveness
 (:mod:`.liveness`) turns hellos, heartbeats and exits into states and events, the supervisor
-thread (:mod:`.supervisor`) applies policies. The controller never exits or interrupts the main
+thread (:mod:`.supervisor`) applies policies. Each room takes not this class but a Protocol of
+its own module naming what it uses of it (e.g. :class:`~.proc_meshes.ProcMeshesController`),
+which mypy checks this class satisfies where it builds the room; what one room asks of another
+goes through a method here that names the act (:meth:`Controller.stop_mesh_actors`,
+:meth:`Controller.report_failure`, :meth:`Controller.fail_host_procs`,
+:meth:`Controller.new_rendezvous_round`). The controller never exits or interrupts the main
 thread because of a fault: it is a notebook kernel.
 """
 
@@ -64,6 +69,10 @@ class Controller:
         procs: proc identity -> :class:`~monarch_nb.supervision.records.ProcRecord`.
         meshes: proc mesh name -> :class:`~monarch_nb.supervision.records.ProcMeshRecord`.
         hosts: host agent name -> :class:`~monarch_nb.supervision.records.HostRecord`.
+        records_lock: the lock guarding the records of ``procs`` and ``meshes`` while a room adds
+            or renews them (a new mesh's name and records, a rendezvous round).
+        host_agents: the :class:`~monarch_nb.runtime.hosts.Hosts` room: starts, attaches, loses
+            and fences the host agents behind ``hosts``.
         output_sinks: callables given each :class:`~monarch_nb.runtime.output.OutputLine`.
     """
 
@@ -108,10 +117,10 @@ class Controller:
         self.hosts: dict[str, HostRecord] = {}
         self.output_sinks: list[Callable[[OutputLine], None]] = [print_output]
         self._lines = LineAssembler()
-        self._lock = threading.RLock()
+        self.records_lock = threading.RLock()
         self._closed = False
         self.started_at = time.monotonic()
-        self._hosts = Hosts(self)
+        self.host_agents = Hosts(self)
         self.liveness = Liveness(self)
         self.supervisor = Supervisor(self)
         self._handlers: dict[str, Handler] = {
@@ -125,7 +134,7 @@ class Controller:
             Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
             Kind.AGENT_HELLO: self._on_agent_hello,
             Kind.AGENT_HEARTBEAT: self._on_agent_heartbeat,
-            Kind.AGENT_EXITING: lambda header, body, buffers: self._hosts.on_agent_exiting(header),
+            Kind.AGENT_EXITING: lambda header, body, buffers: self.host_agents.on_agent_exiting(header),
             Kind.SPARES: self._on_spares,
             Kind.PORT: self.messenger.on_port,
         }
@@ -166,7 +175,7 @@ class Controller:
 
     def attach_hosts(self, workers: list[str], ca: str | None = None) -> list[str]:
         """Attach the worker loops at ``workers``; return their host names (see :func:`attach_to_workers`)."""
-        return self._hosts.attach(list(workers), ca)
+        return self.host_agents.attach(list(workers), ca)
 
     def detach_hosts(self, names: list[str]) -> None:
         """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`).
@@ -175,7 +184,7 @@ class Controller:
         for mesh, record in list(self.meshes.items()):
             if not record.stopped and any(self.procs[i].host in gone for i in record.procs if i in self.procs):
                 self.stop_procs(mesh)
-        self._hosts.detach(list(names))
+        self.host_agents.detach(list(names))
 
     def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
                      spawn_extent: Extent | None = None) -> str:
@@ -355,7 +364,7 @@ class Controller:
     def send_request(self, rec: ProcRecord, kind: Kind, body: bytes, buffers: list, op: str) -> Future:
         """Send a request of a plugin's ``kind`` (e.g. ``Kind.DEBUG``) to ``rec``'s proc; a Future
         of its reply, failed with SupervisionError if the proc dies first."""
-        future = self.messenger.send_raw([self._target(rec.mesh, rec.rank)], kind, "", body, buffers,
+        future = self.messenger.send_raw([self.target(rec.mesh, rec.rank)], kind, "", body, buffers,
                                          extent=None, endpoint=op)
         assert future is not None
         return future
@@ -383,6 +392,27 @@ class Controller:
         target = Target(rec.identity, rec.rank, rec.coords)
         return [self._send_spawn([target], s, None, even_if_failed=True) for s in spawns]
 
+    # -- for the rooms: what one room asks of another ------------------------------------------------
+    def stop_mesh_actors(self, mesh: str) -> None:
+        """Proc mesh ``mesh`` is stopping: what its actors own stops first, its actors are marked
+        stopped (see :meth:`.actor_meshes.ActorMeshes.before_stop_procs`)."""
+        self.actor_meshes.before_stop_procs(mesh)
+
+    def report_failure(self, rec: ProcRecord, cause: str, detail: str, signame: str | None, *, handle: bool = True) -> None:
+        """Hand ``rec``'s failure to the supervisor thread; not ``handle``: recorded only (see
+        :meth:`.supervisor.Supervisor.on_failure`). Any thread, never blocks."""
+        self.supervisor.on_failure(rec, cause, detail, signame, handle=handle)
+
+    def fail_host_procs(self, host: str, why: str) -> None:
+        """Host ``host`` is lost: every proc of it fails with cause ``host_lost`` (see
+        :meth:`.liveness.Liveness.host_lost`)."""
+        self.liveness.host_lost(host, why)
+
+    def target(self, mesh: str, rank: int) -> Target:
+        """Where a message to rank ``rank`` of proc mesh ``mesh`` goes (its proc's identity and coordinates)."""
+        rec = self.procs[proc_identity(mesh, rank)]
+        return Target(rec.identity, rec.rank, dict(rec.coords))
+
     # -- internals ------------------------------------------------------------------------------------
     def _mesh(self, name: str) -> ProcMeshRecord:
         mesh = self.meshes.get(name)
@@ -392,10 +422,6 @@ class Controller:
             raise MeshStoppedError(f"proc mesh {name!r} was stopped; spawn a new one with this_host().spawn_procs(...)")
         return mesh
 
-    def _target(self, mesh: str, rank: int) -> Target:
-        rec = self.procs[proc_identity(mesh, rank)]
-        return Target(rec.identity, rec.rank, dict(rec.coords))
-
     def _send_spawn(self, targets: list[Target], spawn: ActorSpawn, extent: Extent | None, even_if_failed: bool = False) -> Future:
         future = self.messenger.send_raw(
             targets, Kind.SPAWN, spawn.name, spawn.body, spawn.buffers, extent=extent, even_if_failed=even_if_failed
@@ -404,7 +430,7 @@ class Controller:
         return future
 
     def _tick(self) -> None:
-        self._hosts.tick()  # first: a silent host fails its procs as host_lost, not one by one as hung
+        self.host_agents.tick()  # first: a silent host fails its procs as host_lost, not one by one as hung
         self.liveness.check_heartbeats()
 
     # -- incoming messages (IO thread) ---------------------------------------------------------------
@@ -452,7 +478,7 @@ class Controller:
             rec.on_spare = bool(header.get("spare"))
 
     def _on_agent_heartbeat(self, header: AgentHeartbeatHeader, body: Any, buffers: list[memoryview]) -> None:
-        host = self._hosts.on_heartbeat(header)
+        host = self.host_agents.on_heartbeat(header)
         if host is None:
             return
         stopped = set(header.get("stopped", ()))
@@ -477,7 +503,7 @@ class Controller:
         self.record_event("fault_fired", rec, detail=header.get("detail", ""), cause=header.get("fault", ""))
 
     def _on_agent_hello(self, header: AgentHelloHeader, body: Any, buffers: list[memoryview]) -> None:
-        self._hosts.on_hello(header)
+        self.host_agents.on_hello(header)
 
     # -- actors' requests (the client's own proc, and control requests from procs) ------------------
     def _from_local_host(self, header: Header, body: bytes) -> None:
@@ -497,7 +523,7 @@ class Controller:
                 self.stop_procs(name, timeout_s=2.0)
             except Exception:
                 log.exception("stopping %s failed", name)
-        self._hosts.shutdown()
+        self.host_agents.shutdown()
         self.local_host.stop_all(timeout_s=2.0)
         self.actor_meshes.close()
         self._closed = True

@@ -15,6 +15,10 @@ to attach the host again every second (the worker loop then replaces the old age
 die with it), and a lost host whose old agent is heard again has its procs killed at once; the
 host serves again only with a fresh agent. No proc of a lost host ever serves the controller
 again: restarts start fresh ones (no split brain).
+
+Of its controller :class:`Hosts` sees only :class:`HostsController`: what an agent is told (the
+controller's address, run id and session key), the socket, the records, the event log, and the
+act of failing a lost host's procs.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import zmq
 
 from ..config import config
 from ..errors import MonarchError
-from ..supervision.records import HostRecord, ProcState
+from ..supervision.records import HostRecord, ProcRecord, ProcState
 from ..transport.keys import Trust, load_trust, seal
 from ..transport.wire import BadMessage, Signer, decode, encode, route_id
 from .launch import LocalAgent
@@ -39,9 +43,10 @@ from .protocol import (CONTROLLER, AgentEnv, AgentExitingHeader, AgentHeartbeatH
 from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback, machine_id
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from ..supervision.events import Event
+    from ..transport.channel import Channel
 
-__all__ = ["Hosts", "AttachError", "LOCAL"]
+__all__ = ["Hosts", "HostsController", "AttachError", "LOCAL"]
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +87,48 @@ def controller_timeout_s() -> float:
     return max(2 * config.hang_timeout_s, 3.0)
 
 
+class HostsController(Protocol):
+    """What :class:`Hosts` uses of its controller (:class:`~.controller.Controller` is one)."""
+
+    @property
+    def address(self) -> str:
+        """Where the local host agent and its procs connect (the controller's ROUTER)."""
+
+    @property
+    def run_id(self) -> str:
+        """This controller's run id (sent with each attach)."""
+
+    @property
+    def signer(self) -> Signer:
+        """Signs the controller's messages; its key goes to each host agent (sealed for a remote one)."""
+
+    @property
+    def channel(self) -> Channel:
+        """The controller's socket: binds an endpoint per cluster, sends to agents."""
+
+    @property
+    def closed(self) -> bool:
+        """True once the controller shut down (a host gone then is not lost)."""
+
+    @property
+    def hosts(self) -> dict[str, HostRecord]:
+        """Host agent name -> its record (this room's records)."""
+
+    @property
+    def procs(self) -> dict[str, ProcRecord]:
+        """Proc identity -> its record (the procs of a host to fence)."""
+
+    def record_host_event(self, kind: str, host: HostRecord, **fields: Any) -> Event:
+        """Append an event about host agent ``host`` (``host_lost``, ``host_returned``)."""
+
+    def fail_host_procs(self, host: str, why: str) -> None:
+        """Host ``host`` is lost: every proc of it fails with cause ``host_lost``."""
+
+
 class Hosts:
     """The hosts of ``controller``: records in ``controller.hosts``, agents, endpoints, liveness."""
 
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: HostsController):
         self.ctrl = controller
         self.records = controller.hosts
         self._local: LocalAgent | None = None
@@ -313,7 +356,7 @@ class Hosts:
             self._reattaching.add(record.name)
         record.state = ProcState.FAILED
         self.ctrl.record_host_event("host_lost", record, detail=why, cause="host_lost")
-        self.ctrl.liveness.host_lost(record.name, why)
+        self.ctrl.fail_host_procs(record.name, why)
         if reattach:
             threading.Thread(target=self._reattach, args=(record.name,), name=f"monarch_nb-reattach-{record.name}",
                              daemon=True).start()

@@ -4,7 +4,10 @@
 agent (the agent is the parent: SIGCHLD, with the proc's last output drained first), of a hang
 from heartbeats missing for ``hang_timeout_s`` (``import_grace_s`` while the proc announces a heavy
 import), and of a debugger pause from the heartbeats' ``paused`` field. A failure fails the calls
-in flight to the proc, tells every other proc, and goes to the supervisor thread.
+in flight to the proc, tells every other proc, and goes to the supervisor thread. Of its
+controller it sees only :class:`LivenessController`: the records, the socket and the messenger,
+the event log and the acts of the other rooms it sets off (a new rendezvous round, a failure for
+the supervisor, a restarted proc's actors).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import config
 from ..errors import SupervisionError
@@ -21,17 +24,63 @@ from ..supervision.records import ProcRecord, ProcState
 from .protocol import HelloHeader, HeartbeatHeader, Kind, PeerHeader, ProcExitedHeader
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from ..actor.future import Future
+    from ..supervision.events import Event
+    from ..supervision.records import HostRecord
+    from ..transport.channel import Channel
+    from .messenger import Messenger
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "LivenessController"]
 
 log = logging.getLogger(__name__)
+
+
+class LivenessController(Protocol):
+    """What :class:`Liveness` uses of its controller (:class:`~.controller.Controller` is one)."""
+
+    @property
+    def procs(self) -> dict[str, ProcRecord]:
+        """Proc identity -> its record (the states this room moves)."""
+
+    @property
+    def hosts(self) -> dict[str, HostRecord]:
+        """Host agent name -> its record (its load, its last heartbeat)."""
+
+    @property
+    def channel(self) -> Channel:
+        """The controller's socket: tells procs of a peer's failure or recovery."""
+
+    @property
+    def messenger(self) -> Messenger:
+        """Fails the calls in flight to a failed proc, and lets them through again once it recovers."""
+
+    def record_event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
+        """Append an event about ``rec``'s proc to the log."""
+
+    def emit_lines(self, rec: ProcRecord | None, stream: str, lines: list[str], *, mesh: str = "", rank: int = -1,
+                   partial: bool = False) -> None:
+        """Hand ``lines`` of ``rec``'s proc to the output sinks (a debugger pause's hint)."""
+
+    def flush_output(self, rec: ProcRecord) -> None:
+        """Emit the partial lines ``rec``'s proc left unterminated (it exited)."""
+
+    def signal_proc(self, identity: str, signame: str) -> None:
+        """Have the proc's host agent send it ``signame`` (fencing a hung proc: ``"SIGKILL"``)."""
+
+    def respawn_actors(self, rec: ProcRecord) -> list[Future]:
+        """Construct every actor of ``rec``'s rank again (a restarted proc); one Future each."""
+
+    def new_rendezvous_round(self, mesh: str) -> None:
+        """Give ``mesh``'s procs a fresh rendezvous store (a member failed)."""
+
+    def report_failure(self, rec: ProcRecord, cause: str, detail: str, signame: str | None, *, handle: bool = True) -> None:
+        """Hand ``rec``'s failure to the supervisor thread (not ``handle``: recorded only). Never blocks."""
 
 
 class Liveness:
     """Tracks the procs of ``controller``: their hellos, heartbeats, exits and hangs."""
 
-    def __init__(self, controller: "Controller") -> None:
+    def __init__(self, controller: LivenessController) -> None:
         self.ctrl = controller
 
     # -- messages (IO thread) -------------------------------------------------------------------
@@ -158,8 +207,8 @@ class Liveness:
         for other in self._peers(rec, include_starting=False):
             failed: PeerHeader = {"kind": Kind.PROC_FAILED, "proc": rec.identity}
             ctrl.channel.send(other.identity, failed, note)
-        ctrl.proc_meshes.new_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
-        ctrl.supervisor.on_failure(rec, cause, detail, signame, handle=supervise)
+        ctrl.new_rendezvous_round(rec.mesh)  # after the peers know: none forms a group on the new round meanwhile
+        ctrl.report_failure(rec, cause, detail, signame, handle=supervise)
 
     def _peers(self, rec: ProcRecord, include_starting: bool) -> list[ProcRecord]:
         return [other for other in list(self.ctrl.procs.values())

@@ -2,7 +2,8 @@
 
 :class:`ProcMeshes` is a part of the :class:`~monarch_nb.runtime.controller.Controller` (it works
 on the controller's records: ``procs``, ``meshes``, ``hosts``), kept here so that the
-controller's module stays the hub and each room does one thing. Every proc mesh gets a
+controller's module stays the hub and each room does one thing; of the controller it sees only
+:class:`ProcMeshesController` (and of the hosts room only :class:`HostPlacement`). Every proc mesh gets a
 :class:`~monarch_nb.runtime.rendezvous.LazyStore` on an address all its hosts reach, named in
 its procs' ``MASTER_ADDR`` / ``MASTER_PORT``; warm spares are asked of each host's agent once the
 mesh serves. A restart reuses the proc's spec (same rank, coordinates and environment) and is
@@ -16,7 +17,7 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..actor.shape import Extent
 from ..config import config
@@ -29,17 +30,82 @@ from .protocol import Kind, RendezvousHeader
 from .rendezvous import LazyStore
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    import threading
 
-__all__ = ["ProcMeshes"]
+    from ..supervision.events import Event, EventLog
+    from ..transport.channel import Channel
+    from .messenger import Messenger
+
+__all__ = ["ProcMeshes", "ProcMeshesController", "HostPlacement"]
 
 log = logging.getLogger(__name__)
+
+
+class HostPlacement(Protocol):
+    """What :class:`ProcMeshes` uses of the hosts room (:class:`~.hosts.Hosts` is one)."""
+
+    def resolve(self, host: str) -> HostRecord:
+        """The record of ``host``, started or attached and serving (raises ValueError, AttachError)."""
+
+    def reattaching(self, host: str) -> bool:
+        """``host`` is lost and being attached again (a spawn on it waits for its return)."""
+
+    def placement(self, host: str) -> dict:
+        """Where procs of ``host`` connect and what they inherit (``controller``, ``base_env``, ``run_id``, ``master_ip``)."""
+
+    def is_local(self, host: str) -> bool:
+        """``host`` names this machine's host agent."""
+
+
+class ProcMeshesController(Protocol):
+    """What :class:`ProcMeshes` uses of its controller (:class:`~.controller.Controller` is one)."""
+
+    @property
+    def procs(self) -> dict[str, ProcRecord]:
+        """Proc identity -> its record (a new mesh's records are added here)."""
+
+    @property
+    def meshes(self) -> dict[str, ProcMeshRecord]:
+        """Proc mesh name -> its record."""
+
+    @property
+    def hosts(self) -> dict[str, HostRecord]:
+        """Host agent name -> its record (its machine and cores, its warm spares)."""
+
+    @property
+    def records_lock(self) -> threading.RLock:
+        """Guards ``procs`` and ``meshes`` while a mesh's name and records are added, or its rendezvous round renewed."""
+
+    @property
+    def host_agents(self) -> HostPlacement:
+        """The hosts room: which hosts serve, where their procs connect."""
+
+    @property
+    def channel(self) -> Channel:
+        """The controller's socket: sends to agents and procs, watches a rendezvous store's listening socket."""
+
+    @property
+    def messenger(self) -> Messenger:
+        """Fails the calls in flight to procs that stop or restart."""
+
+    @property
+    def events(self) -> EventLog:
+        """The event log (a restarted proc that does not serve says why with the last event)."""
+
+    def record_event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
+        """Append an event about ``rec``'s proc to the log."""
+
+    def signal_proc(self, identity: str, signame: str) -> None:
+        """Have the proc's host agent send it ``signame`` (``"SIGKILL"``: a stop's last resort, a restart's first step)."""
+
+    def stop_mesh_actors(self, mesh: str) -> None:
+        """Proc mesh ``mesh`` is stopping: what its actors own stops first, its actors are marked stopped."""
 
 
 class ProcMeshes:
     """Spawn, stop and restart the procs of the controller ``ctrl`` (see the module docstring)."""
 
-    def __init__(self, ctrl: "Controller"):
+    def __init__(self, ctrl: ProcMeshesController):
         self.ctrl = ctrl
         self._stores: dict[str, LazyStore] = {}  # mesh -> the store of its current rendezvous round
         self._ids = itertools.count()
@@ -54,7 +120,7 @@ class ProcMeshes:
             RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
         """
         ctrl = self.ctrl
-        with ctrl._lock:
+        with ctrl.records_lock:
             if name is None:
                 name = f"pm{next(self._ids)}"
                 while name in ctrl.meshes:
@@ -62,18 +128,18 @@ class ProcMeshes:
             elif not name.isidentifier() or name in ctrl.meshes:
                 raise ValueError(f"proc mesh name {name!r} must be a new identifier")
         names = [self._serving_host(h) for h in hosts]
-        placements = {h: ctrl._hosts.placement(h) for h in set(names)}
+        placements = {h: ctrl.host_agents.placement(h) for h in set(names)}
         remote_ips = sorted({p["master_ip"] for p in placements.values()} - {"127.0.0.1"})
         store = LazyStore(host=remote_ips[0] if remote_ips else "127.0.0.1")  # one address every host reaches
         specs = proc_specs(name, extent, names, placements, heartbeat_interval_s=config.heartbeat_interval_s,
                            master=(store.host, store.port), python=python,
                            threads=self._cpu_threads(names, extent.nelements // max(1, len(names))), preload=preload)
         cores = _cores()
-        local = sum(1 for s in specs if ctrl._hosts.is_local(s["host"]))
+        local = sum(1 for s in specs if ctrl.host_agents.is_local(s["host"]))
         if local > 2 * cores:  # a few procs per core is the workshop's normal; dozens thrash
             log.warning("%d procs on %d cores: expect slow steps (heavy imports run %d at a time)", local, cores, cores)
         records = [ProcRecord(s["identity"], name, s["rank"], dict(s["env"]["coords"]), s["host"], s) for s in specs]
-        with ctrl._lock:
+        with ctrl.records_lock:
             for rec in records:
                 ctrl.procs[rec.identity] = rec
             ctrl.meshes[name] = ProcMeshRecord(name, extent, [r.identity for r in records], supervision=SupervisionPolicy())
@@ -96,7 +162,7 @@ class ProcMeshes:
             ValueError: an unknown host.
             AttachError: the host is lost and did not come back in time.
         """
-        hosts = self.ctrl._hosts
+        hosts = self.ctrl.host_agents
         deadline = time.monotonic() + host_return_s()
         while True:
             try:
@@ -215,7 +281,7 @@ class ProcMeshes:
         a survivor still waiting in it for the dead rank (``init_process_group`` of a group it
         was joining) is released at once instead of at the rendezvous timeout. IO thread or any."""
         ctrl = self.ctrl
-        with ctrl._lock:
+        with ctrl.records_lock:
             record = ctrl.meshes.get(mesh)
             store = self._stores.get(mesh)
             if record is None or record.stopped or store is None:
@@ -248,7 +314,7 @@ class ProcMeshes:
         record = ctrl.meshes.get(mesh)
         if record is None or record.stopped:
             return
-        ctrl.actor_meshes.before_stop_procs(mesh)
+        ctrl.stop_mesh_actors(mesh)
         record.stopped = True
         records = [ctrl.procs[i] for i in record.procs]
         for host in {r.host for r in records}:
@@ -276,7 +342,7 @@ class ProcMeshes:
 
     def restart(self, rec: ProcRecord, timeout_s: float) -> None:
         """Restart the proc of ``rec`` in place (see :meth:`Controller.restart_proc`)."""
-        self.ctrl._hosts.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
+        self.ctrl.host_agents.resolve(rec.host)  # a lost host cannot start it: say so now, not after timeout_s
         if not rec.restart_lock.acquire(blocking=False):  # a restart is under way: it is the one
             self.ctrl.record_event("restart_skipped", rec, detail=f"already being restarted (restart {rec.restarts})",
                                    cause="restart")

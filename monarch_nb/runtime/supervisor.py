@@ -4,7 +4,8 @@ The controller hands it each proc failure (:meth:`Supervisor.on_failure`, any th
 blocks); failures are handled one at a time, in the order they happened. For each, the mesh's
 policy decides (:func:`monarch_nb.supervision.policy.decide`, which asks the owner's
 ``__supervise__`` first) and this thread records the ``supervised`` / ``escalated`` event and,
-for the restart policy, waits out the backoff and restarts the proc.
+for the restart policy, waits out the backoff and restarts the proc. Of its controller it sees
+only :class:`SupervisorController`: the meshes' records, the event log, a restart.
 """
 
 from __future__ import annotations
@@ -13,23 +14,38 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..supervision.policy import Failure, decide
 from ..supervision.records import ProcRecord, ProcState
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from ..supervision.events import Event
+    from ..supervision.records import ProcMeshRecord
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "SupervisorController"]
 
 log = logging.getLogger(__name__)
+
+
+class SupervisorController(Protocol):
+    """What :class:`Supervisor` uses of its controller (:class:`~.controller.Controller` is one)."""
+
+    @property
+    def meshes(self) -> dict[str, ProcMeshRecord]:
+        """Proc mesh name -> its record (its supervision policy, whether it was stopped)."""
+
+    def record_event(self, kind: str, rec: ProcRecord, **fields: Any) -> Event:
+        """Append an event about ``rec``'s proc to the log (``supervised``, ``escalated``)."""
+
+    def restart_proc(self, mesh: str, rank: int, timeout_s: float = 30.0) -> None:
+        """Restart rank ``rank`` of ``mesh`` in place; blocks until it serves again (raises if it does not)."""
 
 
 class Supervisor:
     """Runs owners' handlers and policies for ``controller``'s meshes on a thread of its own."""
 
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: SupervisorController):
         self.controller = controller
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="monarch_nb-supervisor", daemon=True)
