@@ -20,6 +20,8 @@ from .conftest import pid_alive, wait_until
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ddp_script.py")
 
+pytestmark = pytest.mark.usefixtures("patient_hang_timeout")  # DDP's first steps on a busy 2-core machine
+
 
 @pytest.fixture
 def script_procs(no_leaked_processes):
