@@ -65,6 +65,9 @@ _EXPORTS = {
     "UnknownEndpointError": "monarch_nb.errors",
     "configure": "monarch_nb.config",
     "Event": "monarch_nb.supervision.events",
+    "WorkspaceSync": "monarch_nb.actor.workspace",
+    "WorkspaceSyncError": "monarch_nb.actor.workspace",
+    "WorkspaceTooLarge": "monarch_nb.runtime.workspace_files",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
@@ -84,6 +87,8 @@ if TYPE_CHECKING:
     from .config import configure
     from .errors import ActorError, MeshStoppedError, SupervisionError, UnknownEndpointError
     from .supervision.events import Event
+    from .actor.workspace import WorkspaceSync, WorkspaceSyncError
+    from .runtime.workspace_files import WorkspaceTooLarge
 
 
 __getattr__, __dir__ = lazy_exports('monarch_nb', _EXPORTS, globals())

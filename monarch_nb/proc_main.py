@@ -21,11 +21,11 @@ import sys
 
 from .debug import worker as debug_worker
 from .faults import worker as faults_worker
-from .runtime import forkserver, proc
+from .runtime import forkserver, proc, workspace_reload
 from .runtime.protocol import ProcEnv
 from .train import group_worker
 
-PLUGINS = (faults_worker.install, debug_worker.install, group_worker.install)
+PLUGINS = (faults_worker.install, debug_worker.install, group_worker.install, workspace_reload.install)
 
 
 def _preload(preload: list[str]) -> None:

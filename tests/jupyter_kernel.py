@@ -72,12 +72,12 @@ class Execution:
 class Kernel:
     """A started kernel: ``execute(code)`` returns an :class:`Execution` once the kernel is idle."""
 
-    def __init__(self, extra_env: dict | None = None) -> None:
+    def __init__(self, extra_env: dict | None = None, cwd: str | None = None) -> None:
         kernelspec_prefix()
         env = dict(os.environ)
         env.update(extra_env or {})
         self.km = KernelManager(kernel_name="monarch")
-        self.km.start_kernel(env=env, cwd=os.getcwd())
+        self.km.start_kernel(env=env, cwd=cwd or os.getcwd())
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)

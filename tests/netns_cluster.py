@@ -45,9 +45,12 @@ class NetnsCluster:
     Args:
         hosts: how many hosts.
         ca: the key folder or file the workers trust (``monarch-nb keys``).
+        hide: folders that the hosts do not have: each worker loop (and so its agent and procs)
+            runs in a mount namespace of its own where an empty tmpfs covers them, as on a
+            machine that shares no filesystem with the controller.
     """
 
-    def __init__(self, hosts: int, ca: str, workers: bool = True):
+    def __init__(self, hosts: int, ca: str, workers: bool = True, hide: tuple[str, ...] = ()):
         self.tag = f"mn{os.getpid() % 10000:04d}"
         self.subnet = f"10.{100 + os.getpid() % 100}.{(os.getpid() // 100) % 250}"
         self.bridge = f"{self.tag}b"
@@ -55,6 +58,7 @@ class NetnsCluster:
         self.hosts = hosts
         self.ca = ca
         self.start_workers = workers
+        self.hide = tuple(hide)
         self.namespaces: list[str] = []
         self.links: list[str] = []
         self.workers: list[subprocess.Popen] = []
@@ -101,8 +105,13 @@ class NetnsCluster:
     def _start_worker(self, i: int) -> subprocess.Popen:
         address = f"tcp://{self.host_ip(i)}:{PORT}"
         flag = "--curve-keys" if os.path.isdir(self.ca) else "--key-file"
+        hiding: list[str] = []
+        if self.hide:  # mount tmpfs over each folder, then exec the worker (its pid stays the Popen's)
+            hiding = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                      'while [ "$1" != -- ]; do mount -t tmpfs -o size=1m tmpfs "$1" || exit 97; shift; done; shift; exec "$@"',
+                      "sh", *self.hide, "--"]
         return subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace(i), sys.executable, "-m", "monarch_nb.cli", "worker",
+            ["ip", "netns", "exec", self.namespace(i), *hiding, sys.executable, "-m", "monarch_nb.cli", "worker",
              "--address", address, flag, self.ca, "--name", f"ns{i}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )

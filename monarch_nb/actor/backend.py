@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..supervision.policy import SupervisionPolicy
     from .future import Future
     from .shape import Extent
+    from .workspace import WorkspaceSync
 
 __all__ = ["Target", "Backend", "install", "current", "existing", "set_default"]
 
@@ -60,6 +61,11 @@ class Backend(Protocol):
         """Start ``extent.nelements`` procs over ``hosts`` (with interpreter ``python``, "" for this
         one; and ``spares`` warm spares per host that imported ``preload``); return the new proc
         mesh's name. Blocks until they serve."""
+
+    def sync_workspace(self, path: str, *, hosts: Sequence[str] = (), mesh: str | None = None, exclude: Sequence[str] = (),
+                       max_bytes: int = ..., auto_reload: bool = False, timeout_s: float = 60.0) -> "WorkspaceSync":
+        """Copy folder ``path`` to ``hosts`` (or proc mesh ``mesh``'s hosts), only what changed;
+        with ``auto_reload``, procs there reload their changed modules (see HostMesh.sync_workspace)."""
 
     def attach_hosts(self, workers: list[str], ca: str | None) -> list[str]:
         """Attach the worker loops at ``workers``; return their host names."""

@@ -24,9 +24,12 @@ from .future import Future
 from .shape import Extent, Shape
 
 if TYPE_CHECKING:
+    import os
+
     from typing_extensions import Self  # typing.Self from Python 3.11
 
     from .ports import Port
+    from .workspace import WorkspaceSync
 
 __all__ = ["MeshBase", "HostMesh", "ProcMesh", "ActorMesh", "proc_identity"]
 
@@ -157,6 +160,35 @@ class HostMesh(MeshBase):
         return ProcMesh(backend.current().spawn_procs(hosts, extent, name, self._python, spares=spares,
                                                       preload=tuple(preload)), extent)
 
+    def sync_workspace(self, workspace: "str | os.PathLike[str]" = ".", *, auto_reload: bool = False,
+                       exclude: Sequence[str] = (), max_bytes: int = 64 * 2**20, timeout_s: float = 60.0) -> "WorkspaceSync":
+        """Copy a local folder's files to every host of this mesh, only those that changed
+        (SHA-256 per file), through the mesh's own channel (signed; CurveZMQ between hosts), into
+        a folder that is first on ``sys.path`` of every proc started there afterwards (restarts
+        and warm spares included): a module next to the notebook imports on hosts that never had
+        it. Syncing again replaces the copy (files gone from the folder are removed). As
+        Monarch's ``HostMesh.sync_workspace``, blocking here (no ``await``); one folder per
+        controller.
+
+        Args:
+            workspace: the local folder (default: the working directory, a notebook's folder).
+            auto_reload: also have the serving procs there reload the modules of the workspace
+                that changed (:mod:`monarch_nb.runtime.workspace_reload`); their reports are in
+                the result's ``reloads``.
+            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``).
+                ``.gitignore`` files in the folder count, and caches, ``.git``, virtual
+                environments and notebook checkpoints are never copied.
+            max_bytes: the most the copied files may hold together, bytes (default 64 MiB).
+            timeout_s: how long to wait for every host's answer, seconds.
+
+        Raises:
+            NotADirectoryError: ``workspace`` is not a folder.
+            WorkspaceTooLarge: over ``max_bytes`` (or 10,000 files); names the largest files.
+            WorkspaceSyncError: a host is lost or refused the copy (the others were synced).
+        """
+        return backend.current().sync_workspace(str(workspace), hosts=self.host_names, exclude=tuple(exclude),
+                                                max_bytes=max_bytes, auto_reload=auto_reload, timeout_s=timeout_s)
+
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts} {dict(self.extent)}>"
 
@@ -186,6 +218,31 @@ class ProcMesh(MeshBase):
     def host_mesh(self) -> HostMesh:
         """The host of these procs (this machine)."""
         return HostMesh(["localhost"])
+
+    def sync_workspace(self, workspace: "str | os.PathLike[str]" = ".", *, auto_reload: bool = False,
+                       exclude: Sequence[str] = (), max_bytes: int = 64 * 2**20, timeout_s: float = 60.0) -> "WorkspaceSync":
+        """Copy a local folder to the hosts of these procs, as :meth:`HostMesh.sync_workspace`;
+        ``auto_reload`` reloads the changed modules in this mesh's procs (every rank, whatever
+        the slice).
+
+        Args:
+            workspace: the local folder (default: the working directory, a notebook's folder).
+            auto_reload: also have the serving procs there reload the modules of the workspace
+                that changed (:mod:`monarch_nb.runtime.workspace_reload`); their reports are in
+                the result's ``reloads``.
+            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``).
+                ``.gitignore`` files in the folder count, and caches, ``.git``, virtual
+                environments and notebook checkpoints are never copied.
+            max_bytes: the most the copied files may hold together, bytes (default 64 MiB).
+            timeout_s: how long to wait for every host's answer, seconds.
+
+        Raises:
+            NotADirectoryError: ``workspace`` is not a folder.
+            WorkspaceTooLarge: over ``max_bytes`` (or 10,000 files); names the largest files.
+            WorkspaceSyncError: a host is lost or refused the copy (the others were synced).
+        """
+        return backend.current().sync_workspace(str(workspace), mesh=self._name, exclude=tuple(exclude),
+                                                max_bytes=max_bytes, auto_reload=auto_reload, timeout_s=timeout_s)
 
     def spawn(self, name: str, cls: type[A], /, *args: Any, **kwargs: Any) -> "ActorMesh[A]":
         """Start constructing ``cls(*args, **kwargs)`` on every proc of this mesh; return at once.

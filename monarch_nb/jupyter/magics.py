@@ -9,6 +9,8 @@ The closest peers are ipyparallel's ``%px`` family and nbdistributed; what diffe
 - an interrupt (Ctrl-C, the stop button) stops the cell on every selected rank, blocking or not,
   whatever the kernel is doing (see :mod:`.interrupts`);
 - a torchrun script runs on every rank (``%mesh run train.py ARGS``, restarts with ``--max-restarts``);
+- the notebook's folder reaches remote hosts (``%mesh sync``, only what changed; ``--reload``
+  reloads the changed modules in the running procs);
 - one rank restarts in place (``%mesh restart 2``), and faults are injected from a magic or from
   the supervision-tree widget (``%mesh tree``), which shows failures as they happen and keeps
   answering clicks while a ``%mesh wait`` waits.
@@ -360,6 +362,21 @@ class MeshMagics(Magics):
             return
         restarts = f" after {run.attempts - 1} restart(s)" if run.attempts > 1 else ""
         print(f"{args.script} ended on all {run.world_size} ranks in {run.seconds:.2f} s{restarts}")
+
+    def _cmd_sync(self, args: argparse.Namespace) -> Any:
+        from ..actor.workspace import WorkspaceSyncError
+
+        procs = self._mesh_for(args.mesh)
+        try:
+            done = procs.sync_workspace(args.path, auto_reload=args.reload, exclude=args.exclude,
+                                        max_bytes=args.max_mib * 2**20)
+        except (NotADirectoryError, ValueError) as exc:  # no folder, too large
+            raise UsageError(str(exc)) from None
+        except WorkspaceSyncError as exc:
+            print(str(exc), file=sys.stderr)
+            return None
+        print(done.summary())
+        return None
 
     def _cmd_logs(self, args: argparse.Namespace) -> None:
         procs = self._mesh_for(args.mesh)

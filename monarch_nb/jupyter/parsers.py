@@ -20,7 +20,7 @@ __all__ = ["SUBCOMMANDS", "HelpShown", "Parser", "build_line_parser", "build_cel
            "parse_params", "parse_fault_spec", "fault_kinds"]
 
 SUBCOMMANDS = ("start", "status", "tree", "stop", "auto", "push", "pull", "scatter", "gather", "barrier", "wait",
-               "fault", "restart", "train", "run", "logs", "debug", "stack", "help")
+               "fault", "restart", "train", "run", "sync", "logs", "debug", "stack", "help")
 
 
 class HelpShown(Exception):
@@ -122,6 +122,20 @@ def build_line_parser() -> Parser:
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+    p = sub.add_parser("sync", help="copy a local folder's code and data to the mesh's hosts (only what changed): %%mesh sync [PATH] [--reload]",
+                       description="Copy the files of PATH (default: the notebook's folder) to every host of the mesh, only those "
+                       "whose content changed, over the mesh's own signed (and, across hosts, encrypted) channel, into a folder "
+                       "first on the procs' sys.path: a %%%%mesh cell imports the notebook's modules on hosts that never had "
+                       "them, and procs started or restarted later import the new code. .gitignore files count; caches, .git "
+                       "and virtual environments are never copied. --reload: the running procs reload the modules that "
+                       "changed (as IPython's autoreload: `mod.f` is new, a name from `from mod import f` is not).")
+    p.add_argument("path", nargs="?", default=".", metavar="PATH", help="the folder (default: the working directory)")
+    p.add_argument("--reload", action="store_true", help="the mesh's procs reload the modules that changed")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="a .gitignore-style pattern not to copy (repeatable), e.g. 'data/*.bin'")
+    p.add_argument("--max-mib", type=positive_int, default=64, metavar="MIB", help="the most it may copy (default 64 MiB)")
+    p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
 
     p = sub.add_parser("logs", help="the last output lines of one rank",
                        description="Print the last output lines a rank wrote (kept by the controller, also after it died).")

@@ -35,6 +35,7 @@ from ..actor.backend import Target
 from ..actor.context import CLIENT_MESH
 from ..actor.future import Future
 from ..actor.shape import Extent
+from ..actor.workspace import WorkspaceSync
 from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
@@ -46,7 +47,7 @@ from ..transport.channel import Channel
 from ..transport.wire import Header, Signer, route_id
 from .actor_host import ActorHost
 from .actor_meshes import LOCAL_PROC, ActorMeshes
-from .hosts import Hosts
+from .hosts import LOCAL, Hosts
 from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
@@ -56,6 +57,8 @@ from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHea
                        ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
+from .workspace_files import DEFAULT_MAX_BYTES
+from .workspaces import Workspaces
 
 __all__ = ["Controller", "OutputLine", "print_output"]
 
@@ -140,6 +143,8 @@ class Controller:
         }
         self.actor_meshes = ActorMeshes(self)
         self.proc_meshes = ProcMeshes(self)
+        self.workspaces = Workspaces(self)
+        self._handlers[Kind.WORKSPACE_SYNCED] = lambda header, body, buffers: self.workspaces.on_synced(header)
         self._handlers[Kind.ACTOR_FAILED] = self.actor_meshes.on_actor_failed
         self._handlers[Kind.CONTROL] = self.actor_meshes.on_control
         self.channel.every(config.heartbeat_interval_s, self._tick)
@@ -185,6 +190,23 @@ class Controller:
             if not record.stopped and any(self.procs[i].host in gone for i in record.procs if i in self.procs):
                 self.stop_procs(mesh)
         self.host_agents.detach(list(names))
+
+    def sync_workspace(self, path: str, *, hosts: Sequence[str] = (), mesh: str | None = None, exclude: Sequence[str] = (),
+                       max_bytes: int = DEFAULT_MAX_BYTES, auto_reload: bool = False, timeout_s: float = 60.0) -> WorkspaceSync:
+        """Copy folder ``path`` to ``hosts`` (or to the hosts of proc mesh ``mesh``); with
+        ``auto_reload``, the serving procs there (of ``mesh`` only, when given) reload their
+        changed modules. See :class:`~.workspaces.Workspaces`."""
+        if mesh is not None:
+            procs = self.mesh_records(mesh)
+            hosts = [rec.host for rec in procs]
+        else:
+            names = {LOCAL if self.host_agents.is_local(h) else h for h in hosts}
+            procs = [rec for rec in self.procs.values() if rec.host in names]
+        return self.workspaces.sync(list(hosts), path, exclude, max_bytes, timeout_s, procs if auto_reload else [])
+
+    def resolve_host(self, host: str) -> HostRecord:
+        """The record of serving host ``host`` (see :meth:`.hosts.Hosts.resolve`)."""
+        return self.host_agents.resolve(host)
 
     def spawn_actors(self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple, kwargs: dict,
                      spawn_extent: Extent | None = None) -> str:
@@ -504,6 +526,7 @@ class Controller:
 
     def _on_agent_hello(self, header: AgentHelloHeader, body: Any, buffers: list[memoryview]) -> None:
         self.host_agents.on_hello(header)
+        self.workspaces.on_agent_hello(route_id(header["src"]))
 
     # -- actors' requests (the client's own proc, and control requests from procs) ------------------
     def _from_local_host(self, header: Header, body: bytes) -> None:

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .. import device
 from ..transport import shm
@@ -56,8 +56,10 @@ from ..transport.keys import load_trust
 from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
-from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Kind,
-                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader)
+from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
+                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, WorkspaceHeader,
+                       WorkspaceSyncedHeader)
+from .workspace_files import FileEntry, WorkspaceCopy
 
 log = logging.getLogger("monarch_nb.host_agent")
 
@@ -119,18 +121,20 @@ class HostAgent:
         self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
         self.inventory = device.detect_gpus()
         self.controller_seen = time.monotonic()
-        self._handlers: dict[str, Callable[[Any, Any], None]] = {
+        self._handlers: dict[str, Handler] = {
             Kind.SPAWN_PROCS: self._on_spawn_procs,
             Kind.SIGNAL: self._on_signal,
-            Kind.KEEP_SPARES: lambda header, body: self._keep_spares(json.loads(bytes(body))),
-            Kind.SHUTDOWN: lambda header, body: self.shutdown(AgentExit.SHUTDOWN),
-            Kind.CONTROLLER_HEARTBEAT: lambda header, body: None,  # any message counts (see _on_message)
+            Kind.KEEP_SPARES: lambda header, body, buffers: self._keep_spares(json.loads(bytes(body))),
+            Kind.SHUTDOWN: lambda header, body, buffers: self.shutdown(AgentExit.SHUTDOWN),
+            Kind.CONTROLLER_HEARTBEAT: lambda header, body, buffers: None,  # any message counts (see _on_message)
+            Kind.WORKSPACE: self._on_workspace,
         }
         self.children: dict[int, ChildProc] = {}  # pid -> child
         self.pools: dict[str, SparePool] = {}  # mesh -> what to keep
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         sweep_stale_run_dirs()  # of agents killed before they could clean up
         self.folder = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-agent-")
+        self.workspace = WorkspaceCopy(os.path.join(self.folder, "workspace"))  # first on every proc's sys.path
         self.subreaper = become_subreaper()
         self.servers: dict[str, ForkServer] = {}  # server_key -> server (a dead one stays: no retry storm)
         self._unclaimed_exits: dict[int, int] = {}  # pid -> status of a forked proc reaped before its reply was read
@@ -145,13 +149,32 @@ class HostAgent:
         if handler is None:
             log.warning("unknown message kind %r from %s", header["kind"], header["src"])
             return
-        handler(header, body)
+        handler(header, body, buffers)
 
-    def _on_spawn_procs(self, header: Header, body: memoryview) -> None:
+    def _on_workspace(self, header: WorkspaceHeader, body: memoryview, buffers: list[memoryview]) -> None:
+        """Make this host's workspace copy the manifest sent (see :mod:`.workspace_files`); reply
+        what was written, removed and is still missing. A bad request writes nothing."""
+        reply: WorkspaceSyncedHeader = {"kind": Kind.WORKSPACE_SYNCED, "request": int(header.get("request", -1)),
+                                        "root": self.workspace.root, "written": [], "removed": [], "bytes": 0,
+                                        "missing": [], "error": ""}
+        try:
+            manifest = {str(rel): FileEntry.from_json(entry) for rel, entry in json.loads(bytes(body)).items()}
+            names = list(header.get("files", []))
+            if len(names) != len(buffers):
+                raise ValueError(f"{len(names)} workspace files named but {len(buffers)} sent")
+            done = self.workspace.apply(manifest, dict(zip(names, buffers)))
+            reply["written"], reply["removed"], reply["missing"] = list(done.written), list(done.removed), list(done.missing)
+            reply["bytes"] = done.bytes
+        except (ValueError, TypeError, OSError) as exc:
+            log.warning("workspace sync refused: %s", exc)
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        self.channel.send(CONTROLLER, reply)
+
+    def _on_spawn_procs(self, header: Header, body: memoryview, buffers: list[memoryview]) -> None:
         for spec in json.loads(bytes(body)):
             self._spawn(spec)
 
-    def _on_signal(self, header: SignalHeader, body: memoryview) -> None:
+    def _on_signal(self, header: SignalHeader, body: memoryview, buffers: list[memoryview]) -> None:
         self._signal(header["proc"], header["signal"])
 
     def _host_env(self, proc_env: ProcEnv) -> ProcEnv:
@@ -161,6 +184,8 @@ class HostAgent:
         proc_env.import_lock_dir = self.folder
         proc_env.import_slots = self.cores
         proc_env.curve_dir = self.env.curve_dir
+        proc_env.workspace = self.workspace.root
+        proc_env.sys_path = [self.workspace.root, *(p for p in proc_env.sys_path if p != self.workspace.root)]
         if proc_env.rank >= 0:
             proc_env.extra.update(device.visibility_env(proc_env.local_rank, self.inventory))
         # collectives leave through the interface that reaches the controller (lo on one host)

@@ -301,6 +301,9 @@ class Proc:
     def detach_hosts(self, names: list[str]) -> None:
         self._controller_only("detaching hosts")
 
+    def sync_workspace(self, path: str, **how: Any) -> Any:
+        return self._controller_only("syncing a workspace (its folder is the controller's)")
+
     def stop_procs(self, mesh: str) -> None:
         self._ask("stop_procs", {"mesh": mesh}).get()
 

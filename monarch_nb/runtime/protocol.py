@@ -59,6 +59,7 @@ class Kind(str, Enum):
     RENDEZVOUS = "rendezvous"  # the mesh's membership changed: a new rendezvous round (RendezvousHeader)
     FAULT = "fault"  # an in-proc fault to apply (FaultHeader); handled by the faults plugin
     DEBUG = "debug"  # a debugger request (CallHeader: a call with a pickled body); handled by the debug plugin
+    RELOAD = "reload"  # reload the workspace's changed modules (CallHeader, ep "reload"), replied: ReloadResult
     # proc -> controller
     HELLO = "hello"  # the proc is up (HelloHeader)
     HEARTBEAT = "hb"  # alive, and what runs (HeartbeatHeader)
@@ -72,6 +73,7 @@ class Kind(str, Enum):
     SHUTDOWN = "shutdown"  # kill every proc and exit
     KEEP_SPARES = "keep_spares"  # keep N warm spare procs for a mesh (JSON SparesSpec body; count 0 retires them)
     CONTROLLER_HEARTBEAT = "ctrl_hb"  # the controller is alive (to remote host agents)
+    WORKSPACE = "workspace"  # make the host's workspace copy this manifest (WorkspaceHeader; JSON manifest body, files as buffers)
     # controller <-> worker loop (a remote host waiting for a controller)
     ATTACH = "attach"  # become my host (AttachHeader), signed with the cluster key
     ATTACHED = "attached"  # the answer (AttachedHeader)
@@ -83,6 +85,7 @@ class Kind(str, Enum):
     PROC_SPAWNED = "proc_spawned"  # a proc process exists (ProcSpawnedHeader)
     PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
+    WORKSPACE_SYNCED = "workspace_synced"  # what a WORKSPACE did (WorkspaceSyncedHeader)
 
     def __str__(self) -> str:
         return self.value
@@ -240,6 +243,21 @@ class SparesHeader(Header):
     spares: list[dict[str, Any]]  # [{"pid": int, "ready": bool}]
 
 
+class WorkspaceHeader(Header):
+    request: int  # the controller's request id, echoed in the reply
+    files: list[str]  # the paths whose contents are the buffers, in order
+
+
+class WorkspaceSyncedHeader(Header):
+    request: int
+    root: str  # the copy's folder on the host (first on its procs' sys.path)
+    written: list[str]
+    removed: list[str]
+    bytes: int  # bytes written
+    missing: list[str]  # in the manifest, not held, not sent: send them
+    error: str  # "" when it applied; else why nothing was written
+
+
 class ProcSpawnedHeader(Header, total=False):
     proc: str
     pid: int
@@ -345,6 +363,8 @@ class ProcEnv:
             ``import_slots`` procs of a host import a heavy module (torch) at once.
         import_slots: how many heavy imports may run at once on the host.
         curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
+        workspace: the host's copy of the synced workspace (first on ``sys_path``; "" for none),
+            see :mod:`.workspace_files`.
         extra: further variables, verbatim (per-rank device visibility, MASTER_ADDR, ...).
     """
 
@@ -364,6 +384,7 @@ class ProcEnv:
     import_lock_dir: str = ""
     import_slots: int = 0
     curve_dir: str = ""
+    workspace: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_env(self) -> dict[str, str]:
@@ -391,6 +412,8 @@ class ProcEnv:
             env[_PREFIX + "IMPORT_SLOTS"] = str(self.import_slots)
         if self.curve_dir:
             env[_PREFIX + "CURVE_DIR"] = self.curve_dir
+        if self.workspace:
+            env[_PREFIX + "WORKSPACE"] = self.workspace
         return env
 
     def to_json(self) -> dict[str, Any]:
@@ -424,6 +447,7 @@ class ProcEnv:
             import_lock_dir=_read(environ, "IMPORT_LOCK_DIR", ""),
             import_slots=int(_read(environ, "IMPORT_SLOTS", "0")),
             curve_dir=_read(environ, "CURVE_DIR", ""),
+            workspace=_read(environ, "WORKSPACE", ""),
         )
 
 

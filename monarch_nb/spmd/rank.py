@@ -32,19 +32,24 @@ class ScriptRank(Actor):
     """Runs a script as ``__main__`` on this rank (see the module docstring)."""
 
     @endpoint
-    def run(self, path: str, args: list[str], cwd: str | None) -> int:
+    def run(self, path: str, args: list[str], cwd: str | None, synced_root: str | None = None) -> int:
         """Run ``path`` with ``sys.argv = [path, *args]``; once it returned (or exited 0), return
         the number of lines it printed through ``sys.stdout`` and ``sys.stderr`` (the controller
-        waits for them, so a run's last lines come before its end).
+        waits for them, so a run's last lines come before its end). Where ``path`` (or ``cwd``)
+        does not exist on this host but lies in ``synced_root`` (the controller's folder that
+        ``sync_workspace`` copied), this host's copy of it is used.
 
         Raises:
             ScriptExited: it called ``sys.exit`` with a non-zero status.
-            FileNotFoundError: ``path`` does not exist on this host.
+            FileNotFoundError: ``path`` does not exist on this host, nor in its workspace copy.
             whatever the script raises (its traceback is the caller's ActorError; the frames stay
                 here for ``%mesh debug``).
         """
+        path = _here(path, synced_root)
+        cwd = _here(cwd, synced_root) if cwd else cwd
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} does not exist on this host (copy it there, or run from a folder every host shares)")
+            raise FileNotFoundError(f"{path} does not exist on this host (sync it there with `%mesh sync` or "
+                                    "procs.sync_workspace(), or run from a folder every host shares)")
         saved_argv, saved_path, saved_cwd = list(sys.argv), list(sys.path), os.getcwd()
         saved_streams = sys.stdout, sys.stderr
         out, err = _LineCounter(sys.stdout), _LineCounter(sys.stderr)
@@ -66,6 +71,21 @@ class ScriptRank(Actor):
             os.chdir(saved_cwd)
             _destroy_default_group()
         return out.lines + err.lines
+
+
+def _here(path: str, synced_root: str | None) -> str:
+    """``path`` if it exists on this host, else its place in this host's workspace copy when it
+    lies in ``synced_root``, else ``path``."""
+    from ..runtime.proc import current
+
+    proc = current()
+    copy = proc.env.workspace if proc is not None else ""
+    if os.path.exists(path) or not synced_root or not copy:
+        return path
+    rel = os.path.relpath(path, synced_root)
+    if rel == os.curdir:
+        return copy
+    return path if rel.startswith(os.pardir) else os.path.join(copy, rel)
 
 
 class _LineCounter:

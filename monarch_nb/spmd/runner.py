@@ -107,7 +107,8 @@ def run_script(procs: "ProcMesh", script: str, args: Sequence[str] = (), *, max_
 
     Args:
         procs: the mesh (its procs stay up afterwards, for the next run).
-        script: the script's path (made absolute here; it must exist on every host).
+        script: the script's path (made absolute here); on a host where it does not exist, the
+            same file of the synced workspace (``procs.sync_workspace()``, ``%mesh sync``) runs.
         args: its command-line arguments.
         max_restarts: whole-group restarts after a failure (torchrun's ``--max-restarts``).
         timeout_s: give up on an attempt after this many seconds (None: no limit); a timeout is a failure.
@@ -177,11 +178,14 @@ def _attempt(procs: "ProcMesh", ranks: Any, world: int, path: str, args: list[st
              timeout_s: float | None, *, last: bool) -> RankFailure | None:
     """One run of the whole group; None when every rank returned, else the first failure."""
     t0 = time.monotonic()
+    from ..runtime.controller import Controller
+
     cwd = os.getcwd()
+    synced = Controller.get().workspaces.root  # a script inside it runs from each host's copy where the path is not there
     done: "queue.SimpleQueue[tuple[int, Any]]" = queue.SimpleQueue()
     seen = _LinesSeen(procs.name)
     for r in range(world):
-        future = ranks.slice(rank=r).run.call_one(path, args, cwd)
+        future = ranks.slice(rank=r).run.call_one(path, args, cwd, synced)
         future.add_done_callback(lambda f, r=r: done.put((r, f.exception(0) or f.get(0))))
     running = set(range(world))
     printed: dict[int, int] = {}
