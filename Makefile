@@ -29,6 +29,7 @@ bench: setup
 	$(PY) bench/own_loop.py
 	$(PY) bench/kernels.py
 	$(PY) bench/multihost.py
+	$(PY) bench/workspace_sync.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts
