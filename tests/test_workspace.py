@@ -41,6 +41,14 @@ class Importer(Actor):
         return {"value": wsmod_a.VALUE, "inner": wspkg_a.inner.f(), "file": wsmod_a.__file__}
 
 
+class SharedImporter(Actor):
+    @endpoint
+    def values(self) -> dict:
+        import wsshared_b
+
+        return {"value": wsshared_b.VALUE, "file": wsshared_b.__file__}
+
+
 def _write(path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -91,6 +99,11 @@ def test_a_synced_folder_imports_reloads_and_reaches_restarted_procs_and_spares(
         assert set(broken.failed_reloads) == {(procs.name, 0), (procs.name, 1)}
         assert "SyntaxError" in broken.failed_reloads[(procs.name, 0)]["wsmod_a"] and "SyntaxError" in broken.summary()
         assert [v["value"] for v in actors.values.call().get(timeout=30).values()] == [2, 2], "the old module stays"
+        _write(project / "wsmod_a.py", "VALUE = 4\nraise RuntimeError('boom at import')\n")
+        broken = procs.sync_workspace(project, auto_reload=True)
+        assert "RuntimeError: boom at import" in broken.failed_reloads[(procs.name, 1)]["wsmod_a"]
+        assert [v["value"] for v in actors.values.call().get(timeout=30).values()] == [2, 2], \
+            "what ran of the new code before it raised is undone"
 
         _write(project / "wsmod_a.py", "VALUE = 3\n")
         _write(project / "extra_a.py", "X = 1\n")
@@ -112,8 +125,42 @@ def test_a_synced_folder_imports_reloads_and_reaches_restarted_procs_and_spares(
         procs.stop()
 
 
+def test_modules_imported_from_the_controllers_own_folder_reload_from_the_copy(project, no_leaked_processes):
+    """A proc sharing the controller's filesystem may import the folder itself before any sync
+    (the notebook's folder is on its path): after a sync, reload and restart alike run the copy."""
+    import sys
+
+    _write(project / "wsshared_b.py", "VALUE = 1\n")  # a name no other test syncs: the host's copy never had it
+    sys.path.insert(0, str(project))
+    try:
+        procs = monarch_nb.this_host().spawn_procs(per_host={"gpus": 2})
+    finally:
+        sys.path.remove(str(project))
+    try:
+        no_leaked_processes.update(r.pid for r in Controller.get().mesh_records(procs.name))
+        actors = procs.spawn("shared", SharedImporter)
+        got = actors.values.call().get(timeout=30).values()
+        assert [v["file"] for v in got] == [str(project / "wsshared_b.py")] * 2
+        _write(project / "wsshared_b.py", "VALUE = 7\n")
+        done = procs.sync_workspace(project, auto_reload=True, exclude="results/")
+        assert all("wsshared_b" in r.reloaded for r in done.reloads), done.summary()
+        copy = os.path.join(done.hosts[0].root, "wsshared_b.py")
+        assert [(v["value"], v["file"]) for v in actors.values.call().get(timeout=30).values()] == [(7, copy)] * 2
+        procs.restart(1)
+        assert actors.slice(gpus=1).values.call_one().get(timeout=30)["file"] == copy
+        no_leaked_processes.update(r.pid for r in Controller.get().mesh_records(procs.name))
+    finally:
+        procs.stop()
+
+
 def test_bad_input_is_refused_before_anything_is_sent(project, tmp_path):
     hosts = monarch_nb.this_host()
+    for bad, error in ((dict(max_bytes="x"), "max_bytes must be a positive int"), (dict(timeout_s=0), "timeout_s must be"),
+                       (dict(max_files=-1), "max_files must be"), (dict(exclude=[3]), "exclude takes")):
+        with pytest.raises((TypeError, ValueError), match=error):
+            hosts.sync_workspace(project, **bad)
+    with pytest.raises(TypeError, match="a folder's path"):
+        hosts.sync_workspace(None)
     with pytest.raises(NotADirectoryError, match="no folder"):
         hosts.sync_workspace(tmp_path / "missing")
     with pytest.raises(WorkspaceTooLarge, match=r"the largest: wspkg_a/inner\.py"):
@@ -165,7 +212,7 @@ def test_a_notebooks_module_reaches_hosts_that_never_had_it(hidden_cluster, note
         _write(notebook / "helper_mod.py", "VALUE = 2\n")
         _write(notebook / "helper_two.py", "X = 20\n")
         synced = kernel.ok("%mesh sync --reload", 60).stream_text()
-        assert "changed: helper_mod.py, helper_two.py" in synced and "reloaded on 2 proc(s): helper_mod" in synced, synced
+        assert "written: helper_mod.py, helper_two.py" in synced and "reloaded on 2 proc(s): helper_mod" in synced, synced
         ex = kernel.ok("%%mesh\nimport helper_two\nprint('value', rank, helper_mod.VALUE + helper_two.X)", 60)
         assert sorted(re.findall(r"value (\d) (\d+)", ex.stream_text())) == [("0", "22"), ("1", "22")], ex.stream_text()
 

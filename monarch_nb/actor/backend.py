@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
+    import os
+
     from ..errors import SupervisionError
     from ..supervision.policy import SupervisionPolicy
     from .future import Future
@@ -62,8 +64,10 @@ class Backend(Protocol):
         one; and ``spares`` warm spares per host that imported ``preload``); return the new proc
         mesh's name. Blocks until they serve."""
 
-    def sync_workspace(self, path: str, *, hosts: Sequence[str] = (), mesh: str | None = None, exclude: Sequence[str] = (),
-                       max_bytes: int = ..., auto_reload: bool = False, timeout_s: float = 60.0) -> "WorkspaceSync":
+    def sync_workspace(self, path: "str | os.PathLike[str]", *, hosts: Sequence[str] = (), mesh: str | None = None,
+                       exclude: Sequence[str] | str | None = (),
+                       max_bytes: int = ..., auto_reload: bool = False, timeout_s: float = 60.0,
+                       max_files: int = ...) -> "WorkspaceSync":
         """Copy folder ``path`` to ``hosts`` (or proc mesh ``mesh``'s hosts), only what changed;
         with ``auto_reload``, procs there reload their changed modules (see HostMesh.sync_workspace)."""
 

@@ -161,7 +161,8 @@ class HostMesh(MeshBase):
                                                       preload=tuple(preload)), extent)
 
     def sync_workspace(self, workspace: "str | os.PathLike[str]" = ".", *, auto_reload: bool = False,
-                       exclude: Sequence[str] = (), max_bytes: int = 64 * 2**20, timeout_s: float = 60.0) -> "WorkspaceSync":
+                       exclude: Sequence[str] | str = (), max_bytes: int = 64 * 2**20, max_files: int = 10_000,
+                       timeout_s: float = 60.0) -> "WorkspaceSync":
         """Copy a local folder's files to every host of this mesh, only those that changed
         (SHA-256 per file), through the mesh's own channel (signed; CurveZMQ between hosts), into
         a folder that is first on ``sys.path`` of every proc started there afterwards (restarts
@@ -175,19 +176,22 @@ class HostMesh(MeshBase):
             auto_reload: also have the serving procs there reload the modules of the workspace
                 that changed (:mod:`monarch_nb.runtime.workspace_reload`); their reports are in
                 the result's ``reloads``.
-            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``).
-                ``.gitignore`` files in the folder count, and caches, ``.git``, virtual
-                environments and notebook checkpoints are never copied.
+            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``; one
+                pattern or a list). ``.gitignore`` files in the folder count, and caches,
+                ``.git``, virtual environments and notebook checkpoints are never copied.
             max_bytes: the most the copied files may hold together, bytes (default 64 MiB).
+            max_files: the most files (default 10,000).
             timeout_s: how long to wait for every host's answer, seconds.
 
         Raises:
+            TypeError, ValueError: a bad argument, or an unknown host (nothing was sent).
             NotADirectoryError: ``workspace`` is not a folder.
-            WorkspaceTooLarge: over ``max_bytes`` (or 10,000 files); names the largest files.
+            WorkspaceTooLarge: over ``max_bytes`` or ``max_files``; names the largest files.
+            WorkspaceError: a file that cannot be read or named on every host, a bad pattern.
             WorkspaceSyncError: a host is lost or refused the copy (the others were synced).
         """
-        return backend.current().sync_workspace(str(workspace), hosts=self.host_names, exclude=tuple(exclude),
-                                                max_bytes=max_bytes, auto_reload=auto_reload, timeout_s=timeout_s)
+        return backend.current().sync_workspace(workspace, hosts=self.host_names, exclude=exclude, max_bytes=max_bytes,
+                                                max_files=max_files, auto_reload=auto_reload, timeout_s=timeout_s)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts} {dict(self.extent)}>"
@@ -220,7 +224,8 @@ class ProcMesh(MeshBase):
         return HostMesh(["localhost"])
 
     def sync_workspace(self, workspace: "str | os.PathLike[str]" = ".", *, auto_reload: bool = False,
-                       exclude: Sequence[str] = (), max_bytes: int = 64 * 2**20, timeout_s: float = 60.0) -> "WorkspaceSync":
+                       exclude: Sequence[str] | str = (), max_bytes: int = 64 * 2**20, max_files: int = 10_000,
+                       timeout_s: float = 60.0) -> "WorkspaceSync":
         """Copy a local folder to the hosts of these procs, as :meth:`HostMesh.sync_workspace`;
         ``auto_reload`` reloads the changed modules in this mesh's procs (every rank, whatever
         the slice).
@@ -230,19 +235,22 @@ class ProcMesh(MeshBase):
             auto_reload: also have the serving procs there reload the modules of the workspace
                 that changed (:mod:`monarch_nb.runtime.workspace_reload`); their reports are in
                 the result's ``reloads``.
-            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``).
-                ``.gitignore`` files in the folder count, and caches, ``.git``, virtual
-                environments and notebook checkpoints are never copied.
+            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``; one
+                pattern or a list). ``.gitignore`` files in the folder count, and caches,
+                ``.git``, virtual environments and notebook checkpoints are never copied.
             max_bytes: the most the copied files may hold together, bytes (default 64 MiB).
+            max_files: the most files (default 10,000).
             timeout_s: how long to wait for every host's answer, seconds.
 
         Raises:
+            TypeError, ValueError: a bad argument, or an unknown host (nothing was sent).
             NotADirectoryError: ``workspace`` is not a folder.
-            WorkspaceTooLarge: over ``max_bytes`` (or 10,000 files); names the largest files.
+            WorkspaceTooLarge: over ``max_bytes`` or ``max_files``; names the largest files.
+            WorkspaceError: a file that cannot be read or named on every host, a bad pattern.
             WorkspaceSyncError: a host is lost or refused the copy (the others were synced).
         """
-        return backend.current().sync_workspace(str(workspace), mesh=self._name, exclude=tuple(exclude),
-                                                max_bytes=max_bytes, auto_reload=auto_reload, timeout_s=timeout_s)
+        return backend.current().sync_workspace(workspace, mesh=self._name, exclude=exclude, max_bytes=max_bytes,
+                                                max_files=max_files, auto_reload=auto_reload, timeout_s=timeout_s)
 
     def spawn(self, name: str, cls: type[A], /, *args: Any, **kwargs: Any) -> "ActorMesh[A]":
         """Start constructing ``cls(*args, **kwargs)`` on every proc of this mesh; return at once.

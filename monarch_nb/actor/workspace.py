@@ -7,7 +7,7 @@ from typing import Mapping
 
 from ..errors import MonarchError
 
-__all__ = ["WorkspaceSync", "HostSync", "ModuleReload", "WorkspaceSyncError"]
+__all__ = ["WorkspaceSync", "HostSync", "ModuleReload", "WorkspaceSyncError", "human_bytes"]
 
 
 class WorkspaceSyncError(MonarchError, RuntimeError):
@@ -55,6 +55,8 @@ class WorkspaceSync:
         path: the local folder synced. files: how many files it holds (after exclusions).
         total_bytes: their size, bytes. hosts: each host's copy. reloads: each reloaded proc's
         modules (empty without ``auto_reload``). seconds: the sync's duration, wall clock.
+        skipped: (mesh, rank) of the procs that were to reload but were not serving (dead,
+        restarting): they import the new code when they start again.
     """
 
     path: str
@@ -63,6 +65,7 @@ class WorkspaceSync:
     hosts: tuple[HostSync, ...]
     reloads: tuple[ModuleReload, ...] = ()
     seconds: float = 0.0
+    skipped: tuple[tuple[str, int], ...] = ()
 
     @property
     def written(self) -> int:
@@ -76,14 +79,33 @@ class WorkspaceSync:
 
     def summary(self) -> str:
         """One line per fact, as ``%mesh sync`` prints it."""
-        changed = sorted({p for h in self.hosts for p in (*h.written, *h.removed)})
-        shown = ", ".join(changed[:8]) + (f", ... ({len(changed) - 8} more)" if len(changed) > 8 else "")
-        lines = [f"synced {self.path}: {self.files} files ({self.total_bytes / 1024:.1f} KiB) to {len(self.hosts)} host(s) "
-                 f"in {self.seconds:.2f} s; " + (f"changed: {shown}" if changed else "nothing changed")]
-        if self.reloads:
-            names = sorted({m for r in self.reloads for m in r.reloaded})
-            lines.append(f"reloaded on {len(self.reloads)} proc(s): {', '.join(names) if names else 'no module needed it'}")
+        lines = [f"synced {self.path}: {self.files} files ({human_bytes(self.total_bytes)}) to {len(self.hosts)} host(s) "
+                 f"in {self.seconds:.2f} s; " + self._changes()]
+        names = sorted({m for r in self.reloads for m in r.reloaded})
+        if names:
+            lines.append(f"reloaded on {len(self.reloads)} proc(s): {', '.join(names)}")
+        elif self.reloads and not self.failed_reloads:
+            lines.append(f"reloaded on {len(self.reloads)} proc(s): no module needed it")
         for (mesh, rank), failed in sorted(self.failed_reloads.items()):
             for module, error in failed.items():
                 lines.append(f"  rank {rank} ({mesh}): reloading {module} failed: {error}")
+        for mesh, rank in self.skipped:
+            lines.append(f"  rank {rank} ({mesh}) is not serving: not reloaded (it imports the new code when it starts again)")
         return "\n".join(lines)
+
+    def _changes(self) -> str:
+        parts = []
+        for what, paths in (("written", sorted({p for h in self.hosts for p in h.written})),
+                            ("removed", sorted({p for h in self.hosts for p in h.removed}))):
+            if paths:
+                shown = ", ".join(paths[:8]) + (f", ... ({len(paths) - 8} more)" if len(paths) > 8 else "")
+                parts.append(f"{what}: {shown}")
+        return "; ".join(parts) if parts else "nothing changed"
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes as people read it: ``"512 B"``, ``"48.0 KiB"``, ``"100.0 MiB"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -369,7 +369,7 @@ class MeshMagics(Magics):
         procs = self._mesh_for(args.mesh)
         try:
             done = procs.sync_workspace(args.path, auto_reload=args.reload, exclude=args.exclude,
-                                        max_bytes=args.max_mib * 2**20)
+                                        max_bytes=args.max_mib * 2**20, max_files=args.max_files)
         except (NotADirectoryError, ValueError) as exc:  # no folder, too large
             raise UsageError(str(exc)) from None
         except WorkspaceSyncError as exc:

@@ -116,7 +116,7 @@ def build_line_parser() -> Parser:
                        description="Run SCRIPT as __main__ on every rank of the mesh with torchrun's environment "
                        "(init_process_group with env:// works unchanged); output per rank, live. A rank's failure stops the "
                        "others at once; --max-restarts K runs the whole group again. The procs stay up: run it again "
-                       "without paying for procs or `import torch`. After a failure, `%%mesh debug RANK` opens its post-mortem.")
+                       "without paying for procs or `import torch`. After a failure, `%mesh debug RANK` opens its post-mortem.")
     p.add_argument("--max-restarts", type=nonneg_int, default=0, help="whole-group restarts after a failure (default 0)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="fail an attempt that runs longer")
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
@@ -126,7 +126,7 @@ def build_line_parser() -> Parser:
     p = sub.add_parser("sync", help="copy a local folder's code and data to the mesh's hosts (only what changed): %%mesh sync [PATH] [--reload]",
                        description="Copy the files of PATH (default: the notebook's folder) to every host of the mesh, only those "
                        "whose content changed, over the mesh's own signed (and, across hosts, encrypted) channel, into a folder "
-                       "first on the procs' sys.path: a %%%%mesh cell imports the notebook's modules on hosts that never had "
+                       "first on the procs' sys.path: a %%mesh cell imports the notebook's modules on hosts that never had "
                        "them, and procs started or restarted later import the new code. .gitignore files count; caches, .git "
                        "and virtual environments are never copied. --reload: the running procs reload the modules that "
                        "changed (as IPython's autoreload: `mod.f` is new, a name from `from mod import f` is not).")
@@ -135,6 +135,7 @@ def build_line_parser() -> Parser:
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="a .gitignore-style pattern not to copy (repeatable), e.g. 'data/*.bin'")
     p.add_argument("--max-mib", type=positive_int, default=64, metavar="MIB", help="the most it may copy (default 64 MiB)")
+    p.add_argument("--max-files", type=positive_int, default=10_000, metavar="N", help="the most files (default 10000)")
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
 
     p = sub.add_parser("logs", help="the last output lines of one rank",

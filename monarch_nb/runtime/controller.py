@@ -57,7 +57,7 @@ from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHea
                        ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
-from .workspace_files import DEFAULT_MAX_BYTES
+from .workspace_files import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
 from .workspaces import Workspaces
 
 __all__ = ["Controller", "OutputLine", "print_output"]
@@ -191,8 +191,10 @@ class Controller:
                 self.stop_procs(mesh)
         self.host_agents.detach(list(names))
 
-    def sync_workspace(self, path: str, *, hosts: Sequence[str] = (), mesh: str | None = None, exclude: Sequence[str] = (),
-                       max_bytes: int = DEFAULT_MAX_BYTES, auto_reload: bool = False, timeout_s: float = 60.0) -> WorkspaceSync:
+    def sync_workspace(self, path: "str | os.PathLike[str]", *, hosts: Sequence[str] = (), mesh: str | None = None,
+                       exclude: Sequence[str] | str | None = (),
+                       max_bytes: int = DEFAULT_MAX_BYTES, auto_reload: bool = False, timeout_s: float = 60.0,
+                       max_files: int = DEFAULT_MAX_FILES) -> WorkspaceSync:
         """Copy folder ``path`` to ``hosts`` (or to the hosts of proc mesh ``mesh``); with
         ``auto_reload``, the serving procs there (of ``mesh`` only, when given) reload their
         changed modules. See :class:`~.workspaces.Workspaces`."""
@@ -202,7 +204,7 @@ class Controller:
         else:
             names = {LOCAL if self.host_agents.is_local(h) else h for h in hosts}
             procs = [rec for rec in self.procs.values() if rec.host in names]
-        return self.workspaces.sync(list(hosts), path, exclude, max_bytes, timeout_s, procs if auto_reload else [])
+        return self.workspaces.sync(list(hosts), path, exclude, max_bytes, timeout_s, procs if auto_reload else [], max_files)
 
     def resolve_host(self, host: str) -> HostRecord:
         """The record of serving host ``host`` (see :meth:`.hosts.Hosts.resolve`)."""

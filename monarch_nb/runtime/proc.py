@@ -301,7 +301,7 @@ class Proc:
     def detach_hosts(self, names: list[str]) -> None:
         self._controller_only("detaching hosts")
 
-    def sync_workspace(self, path: str, **how: Any) -> Any:
+    def sync_workspace(self, path: Any, **how: Any) -> Any:
         return self._controller_only("syncing a workspace (its folder is the controller's)")
 
     def stop_procs(self, mesh: str) -> None:

@@ -25,12 +25,14 @@ from typing import Iterable, Mapping, Sequence
 
 from pathspec import GitIgnoreSpec
 
-__all__ = ["FileEntry", "Manifest", "WorkspaceTooLarge", "WorkspaceCopy", "ApplyResult", "scan",
-           "DEFAULT_EXCLUDE", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_FILES"]
+from ..actor.workspace import human_bytes
+
+__all__ = ["FileEntry", "Manifest", "WorkspaceError", "WorkspaceTooLarge", "WorkspaceCopy", "ApplyResult", "scan",
+           "read_current", "DEFAULT_EXCLUDE", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_FILES"]
 
 #: Never copied (git syntax): version control, caches, environments, notebook checkpoints.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
-    ".git/", ".hg/", ".svn/", "__pycache__/", "*.py[cod]", ".ipynb_checkpoints/", ".venv/", "venv/", "env/",
+    ".git/", ".hg/", ".svn/", "__pycache__/", "*.py[cod]", ".ipynb_checkpoints/", ".venv/", "/venv/", "/env/",
     "*.egg-info/", "node_modules/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", ".tox/", ".DS_Store",
 )
 #: Largest workspace copied unless the caller allows more, bytes (64 MiB): it travels to every host.
@@ -59,6 +61,10 @@ class FileEntry:
             raise ValueError(f"a bad file entry {data!r}: want [sha256 hex, size, mode]")
         return cls(sha, size, mode & 0o7777)
 
+    @classmethod
+    def of(cls, data: bytes | memoryview, mode: int) -> "FileEntry":
+        return cls(hashlib.sha256(data).hexdigest(), len(data), mode)
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -75,43 +81,83 @@ class Manifest:
         return {rel: entry.to_json() for rel, entry in self.files.items()}
 
 
-class WorkspaceTooLarge(ValueError):
+class WorkspaceError(ValueError):
+    """The folder cannot be synced as it is (an unreadable file, a name no host can take, a bad
+    pattern); the message names the file or pattern and the fix."""
+
+
+class WorkspaceTooLarge(WorkspaceError):
     """The folder holds more than the limit allows; the message names the largest files and the fix."""
 
 
-def _spec(lines: Iterable[str]) -> GitIgnoreSpec:
-    return GitIgnoreSpec.from_lines([line for line in lines if line.strip() and not line.lstrip().startswith("#")])
+def exclusion_spec(patterns: Sequence[str], source: str = "exclude") -> GitIgnoreSpec:
+    """The caller's patterns (``.gitignore`` syntax) as one spec.
+
+    Raises:
+        WorkspaceError: a pattern git would not take, named.
+    """
+    lines = [line for line in patterns if line.strip() and not line.lstrip().startswith("#")]
+    for line in lines:
+        try:
+            GitIgnoreSpec.from_lines([line])
+        except Exception as exc:  # pathspec raises its own error or re.error
+            raise WorkspaceError(f"bad pattern {line!r} in {source}: {exc}") from None
+    return GitIgnoreSpec.from_lines(lines)
+
+
+def _ignore_file_spec(path: str) -> GitIgnoreSpec:
+    """A ``.gitignore``'s spec; lines git would not take are skipped, as git does."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    good = []
+    for line in lines:
+        try:
+            GitIgnoreSpec.from_lines([line])
+            good.append(line)
+        except Exception:  # noqa: BLE001 - a line git ignores too
+            continue
+    return GitIgnoreSpec.from_lines(good)
 
 
 def scan(root: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_MAX_BYTES,
          max_files: int = DEFAULT_MAX_FILES) -> Manifest:
     """The manifest of folder ``root`` (see the module docstring). Symbolic links to files are
-    followed; links to folders are not entered.
+    followed; links to folders are not entered. The limits are checked on the files' sizes before
+    anything is hashed.
 
     Args:
         root: the folder.
-        exclude: more patterns in ``.gitignore`` syntax (``"data/*.bin"``, ``"runs/"``).
+        exclude: more patterns in ``.gitignore`` syntax (``"data/*.bin"``, ``"runs/"``); they and
+            :data:`DEFAULT_EXCLUDE` cannot be re-included by a ``.gitignore``. Within the
+            ``.gitignore`` files, as in git, the deepest matching rule decides (``!keep.log``
+            re-includes).
         max_bytes: the most bytes the files may hold together.
         max_files: the most files.
 
     Raises:
         NotADirectoryError: ``root`` is not a folder.
         WorkspaceTooLarge: over ``max_bytes`` or ``max_files``.
+        WorkspaceError: a bad pattern, an unreadable file or folder, or a file name that is not a
+            plain relative path on every host (a backslash or newline in it).
     """
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise NotADirectoryError(f"no folder {root!r} to sync")
-    base = _spec([*DEFAULT_EXCLUDE, *exclude])
+    base = exclusion_spec([*DEFAULT_EXCLUDE, *exclude])
     specs: list[tuple[str, GitIgnoreSpec]] = []  # (folder relative to root, its .gitignore's spec)
-    files: dict[str, FileEntry] = {}
+    sizes: dict[str, int] = {}
     total = 0
-    for folder, dirs, names in os.walk(root):
+
+    def unreadable(exc: OSError) -> None:
+        raise WorkspaceError(f"cannot read {exc.filename}: {exc.strerror}; exclude it (exclude=[...] or a .gitignore "
+                             "line) or make it readable") from None
+
+    for folder, dirs, names in os.walk(root, onerror=unreadable):
         rel_folder = os.path.relpath(folder, root).replace(os.sep, "/")
         rel_folder = "" if rel_folder == "." else rel_folder + "/"
         specs = [(where, spec) for where, spec in specs if rel_folder.startswith(where)]
         if _IGNORE_FILE in names:
-            with open(os.path.join(folder, _IGNORE_FILE), encoding="utf-8", errors="replace") as f:
-                specs.append((rel_folder, _spec(f.read().splitlines())))
+            specs.append((rel_folder, _ignore_file_spec(os.path.join(folder, _IGNORE_FILE))))
         dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(folder, d))
                          and not _excluded(f"{rel_folder}{d}/", base, specs))
         for name in sorted(names):
@@ -119,25 +165,46 @@ def scan(root: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_MAX_BY
             path = os.path.join(folder, name)
             if _excluded(rel, base, specs) or not os.path.isfile(path):
                 continue
-            entry = _entry(path)
-            files[rel] = entry
-            total += entry.size
-            if len(files) > max_files:
+            if "\\" in rel or "\n" in rel or "\0" in rel:
+                raise WorkspaceError(f"cannot sync {rel!r}: a backslash or newline in a file name is not portable to "
+                                     "every host; rename it or exclude it")
+            try:
+                size = os.stat(path).st_size
+            except OSError as exc:
+                unreadable(exc)
+            sizes[rel] = size
+            total += size
+            if len(sizes) > max_files:
                 raise WorkspaceTooLarge(f"{root} holds more than {max_files} files to sync; exclude folders "
                                         f"(exclude=[\"data/\"] or a .gitignore line) or allow more (max_files=)")
     if total > max_bytes:
-        largest = sorted(files.items(), key=lambda item: -item[1].size)[:5]
-        listed = ", ".join(f"{rel} ({entry.size / 2**20:.1f} MiB)" for rel, entry in largest)
-        raise WorkspaceTooLarge(f"{root} holds {total / 2**20:.1f} MiB to sync, over the {max_bytes / 2**20:.0f} MiB "
-                                f"limit; the largest: {listed}. Exclude them (exclude=[...] or a .gitignore line) or "
-                                f"allow more (max_bytes=)")
+        largest = sorted(sizes.items(), key=lambda item: -item[1])[:5]
+        listed = ", ".join(f"{rel} ({human_bytes(size)})" for rel, size in largest)
+        raise WorkspaceTooLarge(f"{root} holds {human_bytes(total)} to sync, over the {human_bytes(max_bytes)} limit; the "
+                                f"largest: {listed}. Exclude them (exclude=[...] or a .gitignore line) or allow more "
+                                f"(max_bytes=, or --max-mib for %mesh sync)")
+    files: dict[str, FileEntry] = {}
+    for rel in sizes:
+        try:
+            files[rel] = _entry(os.path.join(root, *rel.split("/")))
+        except FileNotFoundError:
+            continue  # removed since the walk: not part of the workspace
+        except OSError as exc:
+            unreadable(exc)
     return Manifest(root, files)
 
 
 def _excluded(rel: str, base: GitIgnoreSpec, specs: list[tuple[str, GitIgnoreSpec]]) -> bool:
-    """``rel`` (a folder's ends with "/") matches the base patterns or a ``.gitignore`` above it
-    (each matched relative to its own folder)."""
-    return base.match_file(rel) or any(spec.match_file(rel[len(where):]) for where, spec in specs)
+    """``rel`` (a folder's ends with "/") matches the base patterns, or the deepest ``.gitignore``
+    rule that matches it excludes it (each matched relative to its own folder)."""
+    if base.match_file(rel):
+        return True
+    verdict = False
+    for where, spec in specs:  # root first: a deeper file's rule overrides
+        include = spec.check_file(rel[len(where):]).include
+        if include is not None:
+            verdict = include
+    return verdict
 
 
 def _entry(path: str) -> FileEntry:
@@ -150,17 +217,31 @@ def _entry(path: str) -> FileEntry:
     return FileEntry(digest.hexdigest(), size, stat.S_IMODE(os.stat(path).st_mode))
 
 
-def read_files(manifest: Manifest, rels: Iterable[str]) -> list[bytes]:
-    """The contents of ``rels`` (paths of ``manifest``), in order.
+def read_current(manifest: Manifest, rels: Iterable[str]) -> tuple[Manifest, list[str], list[bytes]]:
+    """Read ``rels`` (paths of ``manifest``) now, for sending: the manifest as it stands after the
+    read (a file changed since the scan gets the hash of the bytes read, one removed since is
+    dropped), the paths read and their contents, in order.
 
     Raises:
-        OSError: a file went away since the scan.
+        WorkspaceError: a file that cannot be read.
     """
-    out = []
+    files = dict(manifest.files)
+    sent, contents = [], []
     for rel in rels:
-        with open(os.path.join(manifest.root, *rel.split("/")), "rb") as f:
-            out.append(f.read())
-    return out
+        path = os.path.join(manifest.root, *rel.split("/"))
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            files.pop(rel, None)  # removed since the scan: not part of the workspace any more
+            continue
+        except OSError as exc:
+            raise WorkspaceError(f"cannot read {path}: {exc.strerror}; exclude it or make it readable") from None
+        files[rel] = FileEntry.of(data, mode)
+        sent.append(rel)
+        contents.append(data)
+    return Manifest(manifest.root, files), sent, contents
 
 
 @dataclass(frozen=True)
@@ -212,6 +293,10 @@ class WorkspaceCopy:
                 raise ValueError(f"workspace file {rel!r} was sent but is not in the manifest")
             if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
                 raise ValueError(f"workspace file {rel!r} arrived damaged (its bytes do not match its hash)")
+        removed = tuple(rel for rel in list(self.files) if rel not in manifest)
+        for rel in removed:  # first: a path may turn from a file into a folder, or back
+            self._remove(rel)
+            del self.files[rel]
         written, nbytes = [], 0
         for rel, data in sent.items():
             if self.files.get(rel) == manifest[rel]:
@@ -221,10 +306,6 @@ class WorkspaceCopy:
             written.append(rel)
             nbytes += len(data)
         missing = tuple(rel for rel, entry in manifest.items() if rel not in sent and self.files.get(rel) != entry)
-        removed = tuple(rel for rel in list(self.files) if rel not in manifest)
-        for rel in removed:
-            self._remove(rel)
-            del self.files[rel]
         return ApplyResult(tuple(written), removed, nbytes, missing)
 
     def _path(self, rel: str) -> str:
@@ -233,6 +314,8 @@ class WorkspaceCopy:
     def _write(self, rel: str, data: bytes | memoryview, mode: int) -> None:
         path = self._path(rel)
         folder = os.path.dirname(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # a folder of files this copy no longer holds (only caches are left in one)
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".sync-")
         try:

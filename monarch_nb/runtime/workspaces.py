@@ -4,7 +4,8 @@
 agent one ``workspace`` message: the whole manifest, with the contents of the files this host's
 agent is not known to hold (per agent incarnation: a replaced agent is sent everything). The
 agent makes its copy the manifest and answers what it wrote, removed, and still lacks (a file its
-controller thought it held); those are sent in a second round. Everything travels on the
+controller thought it held); those are sent in a second round. Files are read when sent: one
+written to during the sync is sent as it is then (with that hash), one removed is left out. Everything travels on the
 controller's own channel to the agent: signed, and CurveZMQ-encrypted across hosts.
 
 The copy is first on ``sys.path`` of every proc the agent starts afterwards (restarts and warm
@@ -21,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from ..actor.workspace import HostSync, ModuleReload, WorkspaceSync, WorkspaceSyncError
 from ..supervision.records import HostRecord, ProcRecord, ProcState
 from .protocol import Kind, WorkspaceHeader, WorkspaceSyncedHeader
-from .workspace_files import DEFAULT_MAX_BYTES, FileEntry, Manifest, read_files, scan
+from .workspace_files import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES, FileEntry, Manifest, read_current, scan
 
 if TYPE_CHECKING:
     from ..actor.future import Future
@@ -39,7 +41,8 @@ __all__ = ["Workspaces", "WorkspacesController"]
 
 log = logging.getLogger(__name__)
 
-#: Rounds of "send what it lacks" before a host is reported as failing (a file changing under the scan).
+#: Rounds of "send what it lacks" before a host is reported as failing (the second sends what the
+#: controller wrongly thought the agent held).
 _ROUNDS = 2
 
 
@@ -64,6 +67,7 @@ class _Source:
     path: str
     exclude: tuple[str, ...]
     max_bytes: int
+    max_files: int
 
 
 @dataclass
@@ -88,82 +92,108 @@ class Workspaces:
         self._held: dict[str, tuple[int, dict[str, FileEntry]]] = {}  # host -> (agent pid, what it holds)
         self._sources: dict[str, _Source] = {}
         self._root: str | None = None
+        self._sync_lock = threading.Lock()
 
     @property
     def root(self) -> str | None:
         """The local folder synced last (one workspace per controller), or None."""
         return self._root
 
-    def sync(self, hosts: Sequence[str], path: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_MAX_BYTES,
-             timeout_s: float = 60.0, reload: Sequence[ProcRecord] = ()) -> WorkspaceSync:
+    def sync(self, hosts: Sequence[str], path: "str | os.PathLike[str]", exclude: Sequence[str] | str | None = (),
+             max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 60.0, reload: Sequence[ProcRecord] = (),
+             max_files: int = DEFAULT_MAX_FILES) -> WorkspaceSync:
         """Copy folder ``path`` to ``hosts`` (names as meshes give them, "localhost" for this
         machine), then have the procs ``reload`` their changed modules. Blocks until every host
-        answered (or ``timeout_s``).
+        answered (or ``timeout_s``). One sync at a time: a second waits for the first.
 
         Raises:
-            NotADirectoryError, WorkspaceTooLarge: from the scan (nothing was sent).
-            ValueError: an unknown host (nothing was sent).
+            TypeError, ValueError: a bad argument or an unknown host (nothing was sent).
+            NotADirectoryError, WorkspaceTooLarge, WorkspaceError: from the scan (nothing was sent).
             WorkspaceSyncError: a host is lost, refused the copy, or did not answer in time (the
                 other hosts were synced).
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"the workspace is a folder's path (str or os.PathLike), got {type(path).__name__}")
+        patterns = (exclude,) if isinstance(exclude, str) else tuple(exclude or ())
+        if not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"exclude takes .gitignore-style patterns (str), got {patterns!r}")
+        for name, value in (("max_bytes", max_bytes), ("max_files", max_files)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        with self._sync_lock:
+            return self._sync(list(dict.fromkeys(hosts)), os.fspath(path), patterns, max_bytes, max_files, float(timeout_s),
+                              reload)
+
+    def _sync(self, hosts: list[str], path: str, exclude: tuple[str, ...], max_bytes: int, max_files: int,
+              timeout_s: float, reload: Sequence[ProcRecord]) -> WorkspaceSync:
         t0 = time.monotonic()
-        manifest = scan(path, exclude, max_bytes)
-        source = _Source(manifest.root, tuple(exclude), max_bytes)
-        self._root = manifest.root
+        manifest = scan(path, exclude, max_bytes, max_files)
         records: list[HostRecord] = []
-        errors: list[str] = []
-        for host in dict.fromkeys(hosts):
+        lost: list[str] = []
+        for host in hosts:
             try:
                 records.append(self._c.resolve_host(host))
             except ConnectionError as exc:  # lost for now (an unknown host's ValueError is the caller's)
-                errors.append(f"{host}: {exc}")
+                lost.append(f"{host}: {exc}")
+        self._root = manifest.root
+        source = _Source(manifest.root, exclude, max_bytes, max_files)
         results: dict[str, HostSync] = {}
+        refused: list[str] = []
         deadline = t0 + timeout_s
-        todo: dict[str, list[str] | None] = {record.name: None for record in records}  # host -> paths to send (None: what it is not known to hold)
+        todo: dict[str, list[str] | None] = {r.name: None for r in records}  # host -> paths to send (None: all it may lack)
         for _ in range(_ROUNDS):
             pending = {name: self._send(name, manifest, want) for name, want in todo.items()}
             todo = {}
             for name, request in pending.items():
                 reply = self._await(request, deadline)
                 if reply is None:
-                    errors.append(f"{name}: no answer within {timeout_s:.0f} s")
+                    lost.append(f"{name}: no answer within {timeout_s:g} s")
                 elif reply["error"]:
-                    errors.append(f"{name}: {reply['error']}")
+                    refused.append(f"{name} refused it: {reply['error']}")
                 else:
-                    before = results.get(name)
-                    results[name] = HostSync(name, reply["root"], (*(before.written if before else ()), *reply["written"]),
-                                             (*(before.removed if before else ()), *reply["removed"]),
-                                             (before.bytes if before else 0) + reply["bytes"])
+                    before = results.get(name) or HostSync(name, reply["root"], (), (), 0)
+                    results[name] = HostSync(name, reply["root"], (*before.written, *reply["written"]),
+                                             (*before.removed, *reply["removed"]), before.bytes + reply["bytes"])
                     self._sources[name] = source
                     if reply["missing"]:
                         todo[name] = list(reply["missing"])
             if not todo:
                 break
-        errors += [f"{name}: files changed during the sync, still missing: {', '.join((want or [])[:5])}"
-                   for name, want in todo.items()]
-        reloads = self._reload([r for r in reload if r.host in results], deadline) if results else []
-        done = WorkspaceSync(manifest.root, len(manifest.files), manifest.total_bytes,
-                             tuple(results[n] for n in results), tuple(reloads), time.monotonic() - t0)
-        if errors:
+        refused += [f"{name} still lacks {', '.join((want or [])[:5])}" for name, want in todo.items()]
+        targets = [r for r in reload if r.host in results]
+        reloads = self._reload([r for r in targets if r.serving], manifest.root, deadline)
+        done = WorkspaceSync(manifest.root, len(manifest.files), manifest.total_bytes, tuple(results.values()),
+                             tuple(reloads), time.monotonic() - t0,
+                             tuple((r.mesh, r.rank) for r in targets if not r.serving))
+        if lost or refused:
+            advice = " Sync again once the host serves (a lost host is attached again by itself)." if lost else ""
             raise WorkspaceSyncError(f"the workspace {manifest.root} did not reach every host ({len(results)} of "
-                                     f"{len(results) + len(errors)} synced): " + "; ".join(errors) +
-                                     ". Sync again once the host serves (a lost host is attached again by itself)")
+                                     f"{len(results) + len(lost) + len(refused)} synced): " + "; ".join(lost + refused) +
+                                     "." + advice)
         return done
 
     def _send(self, host: str, manifest: Manifest, want: list[str] | None) -> int:
         """Send ``host`` the manifest with the files it lacks (``want``, or all it is not known to
-        hold); the request's id."""
+        hold), read now (a file changed since the scan is sent as it is now); the request's id.
+
+        Raises:
+            WorkspaceError: a file that cannot be read (nothing was sent).
+        """
         record = self._c.hosts[host]
         with self._lock:
             pid, held = self._held.get(host, (0, {}))
-            if pid != record.pid:
-                held = {}
-            if want is None:
-                want = [rel for rel, entry in manifest.files.items() if held.get(rel) != entry]
+        if pid != record.pid:
+            held = {}
+        if want is None:
+            want = [rel for rel, entry in manifest.files.items() if held.get(rel) != entry]
+        current, sent, contents = read_current(manifest, want)
+        with self._lock:
             request = next(self._ids)
-            self._pending[request] = _Pending(host, record.pid, manifest)
-        header: WorkspaceHeader = {"kind": Kind.WORKSPACE, "request": request, "files": want}
-        self._c.channel.send(host, header, json.dumps(manifest.to_json()).encode(), read_files(manifest, want))
+            self._pending[request] = _Pending(host, record.pid, current)
+        header: WorkspaceHeader = {"kind": Kind.WORKSPACE, "request": request, "files": sent}
+        self._c.channel.send(host, header, json.dumps(current.to_json()).encode(), contents)
         return request
 
     def _await(self, request: int, deadline: float) -> WorkspaceSyncedHeader | None:
@@ -194,17 +224,17 @@ class Workspaces:
         if source is None or record is None or record.state != ProcState.HEALTHY:
             return
         try:
-            manifest = scan(source.path, source.exclude, source.max_bytes)
+            manifest = scan(source.path, source.exclude, source.max_bytes, source.max_files)
+            request = self._send(host, manifest, None)
         except (OSError, ValueError) as exc:
             log.warning("could not sync the workspace %s to %s's new agent again: %s", source.path, host, exc)
             return
-        request = self._send(host, manifest, None)
         threading.Thread(target=self._await, args=(request, time.monotonic() + 60.0), daemon=True,
                          name="monarch_nb-workspace-resync").start()
 
-    def _reload(self, records: Sequence[ProcRecord], deadline: float) -> list[ModuleReload]:
-        live = [r for r in records if r.serving]
-        futures = [(r, self._c.send_request(r, Kind.RELOAD, b"", [], "reload")) for r in live]
+    def _reload(self, records: Sequence[ProcRecord], synced_root: str, deadline: float) -> list[ModuleReload]:
+        body = json.dumps({"synced_root": synced_root}).encode()
+        futures = [(r, self._c.send_request(r, Kind.RELOAD, body, [], "reload")) for r in records]
         out = []
         for rec, future in futures:
             try:

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from monarch_nb.runtime.workspace_files import FileEntry, WorkspaceCopy, WorkspaceTooLarge, read_files, safe_relative, scan
+from monarch_nb.runtime.workspace_files import (FileEntry, WorkspaceCopy, WorkspaceError, WorkspaceTooLarge, read_current,
+                                             safe_relative, scan)
 
 
 def _write(root, rel: str, data: bytes = b"x = 1\n") -> None:
@@ -32,7 +33,7 @@ def test_the_manifest_holds_code_and_data_but_not_what_git_or_the_defaults_ignor
     assert sorted(manifest.files) == [".gitignore", "configs/base.yaml", "pkg/.gitignore", "pkg/__init__.py",
                                       "pkg/keep.tmp", "pkg/model.py", "train.py"]
     assert manifest.files["train.py"] == _entry(b"x = 1\n", 0o755)
-    assert read_files(manifest, ["pkg/model.py"]) == [b"x = 1\n"]
+    assert read_current(manifest, ["pkg/model.py"])[2] == [b"x = 1\n"]
 
 
 def test_a_folder_over_the_limit_is_refused_with_its_largest_files_and_the_fix(tmp_path):
@@ -79,3 +80,50 @@ def test_a_copy_refuses_paths_out_of_its_folder_and_damaged_files_and_writes_not
     assert os.listdir(tmp_path / "copy") == [] and copy.files == {}
     assert not (tmp_path / "evil.py").exists()
     assert safe_relative("pkg/mod.py") == "pkg/mod.py"
+
+
+def test_as_in_git_the_deepest_gitignore_rule_decides_and_bad_lines_are_skipped(tmp_path):
+    for rel in ("a.log", "sub/keep.log", "sub/deep/keep.log", "sub/other.log", "pkg/env/x.py", "env/activate"):
+        _write(tmp_path, rel)
+    (tmp_path / ".gitignore").write_text("*.log\n[z-a]\n!\n")  # git skips the two lines it cannot take
+    (tmp_path / "sub" / ".gitignore").write_text("!keep.log\n")
+    assert sorted(scan(str(tmp_path)).files) == [".gitignore", "pkg/env/x.py", "sub/.gitignore", "sub/deep/keep.log",
+                                                 "sub/keep.log"], "only a top-level env/ is an environment"
+    with pytest.raises(WorkspaceError, match=r"bad pattern '\[z-a\]' in exclude"):
+        scan(str(tmp_path), exclude=["[z-a]"])
+
+
+def test_names_no_host_can_take_are_refused_at_the_scan_and_limits_come_before_hashing(tmp_path, monkeypatch):
+    _write(tmp_path, "a\\b.txt")
+    with pytest.raises(WorkspaceError, match=r"cannot sync 'a\\\\b.txt'.*rename it or exclude it"):
+        scan(str(tmp_path))
+    assert sorted(scan(str(tmp_path), exclude=["*.txt"]).files) == []
+    with open(tmp_path / "huge.bin", "wb") as f:
+        f.truncate(2**31)  # sparse: 2 GiB that nothing should read
+    import monarch_nb.runtime.workspace_files as wf
+
+    monkeypatch.setattr(wf, "_entry", lambda path: pytest.fail(f"hashed {path} before checking the limit"))
+    with pytest.raises(WorkspaceTooLarge, match=r"holds 2\.0 GiB to sync, over the 64\.0 MiB limit; the largest: huge\.bin"):
+        scan(str(tmp_path), exclude=["*.txt"])
+
+
+def test_a_file_written_or_removed_after_the_scan_is_sent_as_it_is_then(tmp_path):
+    _write(tmp_path, "hot.txt", b"one")
+    _write(tmp_path, "doomed.txt", b"bye")
+    manifest = scan(str(tmp_path))
+    (tmp_path / "hot.txt").write_bytes(b"two!")
+    os.remove(tmp_path / "doomed.txt")
+    current, sent, contents = read_current(manifest, ["doomed.txt", "hot.txt"])
+    assert sent == ["hot.txt"] and contents == [b"two!"] and sorted(current.files) == ["hot.txt"]
+    assert current.files["hot.txt"] == _entry(b"two!")
+    copy = WorkspaceCopy(str(tmp_path / "copy"))
+    assert copy.apply(current.files, dict(zip(sent, contents))).written == ("hot.txt",)
+
+
+def test_a_path_that_turns_from_a_file_into_a_folder_and_back_syncs(tmp_path):
+    copy = WorkspaceCopy(str(tmp_path / "copy"))
+    copy.apply({"data": _entry(b"f")}, {"data": b"f"})
+    assert copy.apply({"data/x.csv": _entry(b"1,2")}, {"data/x.csv": b"1,2"}).removed == ("data",)
+    assert (tmp_path / "copy" / "data" / "x.csv").read_bytes() == b"1,2"
+    assert copy.apply({"data": _entry(b"g")}, {"data": b"g"}).written == ("data",)
+    assert (tmp_path / "copy" / "data").read_bytes() == b"g"
