@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import operator
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -318,11 +319,18 @@ def test_this_proc_actors_spawned_from_an_actor_live_in_its_proc(procs4):
     assert users.spawn_here.call().get(timeout=T).values() == pids
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal gives it (a suite started in the background
+    of a non-interactive shell inherits it ignored, and Python keeps an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _script(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` as a user's script, as from a terminal."""
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(body))
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=_default_sigint)
 
 
 _SCRIPT_HEAD = """

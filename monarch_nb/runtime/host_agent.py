@@ -492,10 +492,7 @@ class HostAgent:
             if not data:
                 self.channel.remove_reader(fd)
                 del child.fds[fd]
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                _close_pipe(child, fd)
                 return
             if child.identity is None:
                 continue
@@ -540,10 +537,7 @@ class HostAgent:
             self._drain(child, fd)
         for fd in list(child.fds):  # a grandchild may hold the pipe: stop reading it
             self.channel.remove_reader(fd)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            _close_pipe(child, fd)
         child.fds.clear()
         if child.ready_fd >= 0:
             self.channel.remove_reader(child.ready_fd)
@@ -643,6 +637,20 @@ class HostAgent:
         self.channel.send(CONTROLLER, hello)
         self._check_parent()
         self.channel.run_forever()
+
+
+def _close_pipe(child: ChildProc, fd: int) -> None:
+    """Close ``child``'s output pipe ``fd`` through the file object that owns it: an ``os.close``
+    of the bare number would leave the file object to close it again when it is collected, by
+    then perhaps another pipe's (a new fork's) reused number."""
+    for pipe in (child.popen.stdout, child.popen.stderr):
+        if pipe is not None and not pipe.closed and pipe.fileno() == fd:
+            pipe.close()
+            return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _os_state(pid: int) -> str:
