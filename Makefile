@@ -30,6 +30,7 @@ bench: setup
 	$(PY) bench/kernels.py
 	$(PY) bench/multihost.py
 	$(PY) bench/workspace_sync.py
+	$(PY) bench/scale.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts
