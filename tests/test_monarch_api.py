@@ -385,6 +385,27 @@ def test_fault_hook_that_raises_ends_a_script_through_the_main_thread(tmp_path):
     assert "Unhandled monarch error on the root actor" in result.stderr and "constructor failed" in result.stderr
 
 
+def test_fault_hook_that_raises_ends_a_script_that_ignores_sigint(tmp_path):
+    """A script started in the background (SIGINT ignored, so no KeyboardInterrupt can reach its
+    main thread) still ends when its fault hook raises: with SIGTERM."""
+    result = _script(tmp_path, _SCRIPT_HEAD + """
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def fatal(failure):
+        raise SystemExit(1)
+
+    ma.unhandled_fault_hook = fatal
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    procs.spawn("bad", Bad)
+    for _ in range(60):
+        time.sleep(0.5)
+    print("not reached")
+    """)
+    assert result.returncode == -signal.SIGTERM and "not reached" not in result.stdout, result.stderr
+    assert "SIGINT is ignored in this process: ending it with SIGTERM" in result.stderr
+
+
 @pytest.mark.kernel
 def test_fault_hook_in_a_kernel_prints_in_the_cell_and_the_kernel_lives(no_leaked_processes):
     from .jupyter_kernel import Kernel

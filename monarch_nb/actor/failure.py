@@ -12,7 +12,8 @@ be replaced by assignment, as in Monarch).
 The default hook keeps a notebook kernel alive: inside an IPython kernel it prints the failure's
 report in the cell that ran last; in a script it prints to stderr and the script goes on. A hook
 that raises asks for more: in a script the main thread gets ``KeyboardInterrupt`` (so ``atexit``
-handlers run and the process exits 1, as Monarch's default does); in a kernel the error is printed.
+handlers run and the process exits 1, as Monarch's default does; where SIGINT is ignored, SIGTERM
+ends it); in a kernel the error is printed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import _thread
 import logging
 import os
+import signal
 import sys
 import threading
 import weakref
@@ -159,7 +161,7 @@ def deliver_unhandled(failure: MeshFailure) -> None:
         if not _print_in_last_cell(text):
             sys.stderr.write(text)
             sys.stderr.flush()
-            _thread.interrupt_main()
+            _end_main_thread()
     finally:
         for loop in list(_loops):
             if loop.is_running() and not loop.is_closed():
@@ -167,6 +169,18 @@ def deliver_unhandled(failure: MeshFailure) -> None:
                     loop.call_soon_threadsafe(lambda: None)
                 except RuntimeError:
                     pass
+
+
+def _end_main_thread() -> None:
+    """End the script: ``KeyboardInterrupt`` in its main thread, so ``finally`` blocks and
+    ``atexit`` run; where SIGINT is not handled by Python (a script started as a background job of
+    a non-interactive shell inherits it ignored), that would do nothing, so SIGTERM ends it."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        _thread.interrupt_main()
+        return
+    sys.stderr.write("(SIGINT is ignored in this process: ending it with SIGTERM)\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_hook_thread() -> "HookThread":
