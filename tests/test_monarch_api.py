@@ -365,11 +365,8 @@ def test_fault_hook_in_a_script_default_prints_and_goes_on(tmp_path):
     assert "unhandled failure of bad" in result.stderr and "constructor failed" in result.stderr
 
 
-def test_fault_hook_that_raises_ends_a_script_through_the_main_thread(tmp_path):
-    result = _script(tmp_path, _SCRIPT_HEAD + """
-    import atexit
-    atexit.register(lambda: print("atexit ran", flush=True))
-
+#: a script's end: a fault hook that raises, a constructor that fails, a main thread that waits 30 s
+_FATAL_HOOK = """
     def fatal(failure):
         raise SystemExit(1)
 
@@ -379,7 +376,14 @@ def test_fault_hook_that_raises_ends_a_script_through_the_main_thread(tmp_path):
     for _ in range(60):
         time.sleep(0.5)
     print("not reached")
-    """)
+    """
+
+
+def test_fault_hook_that_raises_ends_a_script_through_the_main_thread(tmp_path):
+    result = _script(tmp_path, _SCRIPT_HEAD + """
+    import atexit
+    atexit.register(lambda: print("atexit ran", flush=True))
+    """ + _FATAL_HOOK)
     assert result.returncode != 0  # KeyboardInterrupt in the main thread: SIGINT's exit status
     assert "not reached" not in result.stdout and "atexit ran" in result.stdout
     assert "Unhandled monarch error on the root actor" in result.stderr and "constructor failed" in result.stderr
@@ -391,17 +395,7 @@ def test_fault_hook_that_raises_ends_a_script_that_ignores_sigint(tmp_path):
     result = _script(tmp_path, _SCRIPT_HEAD + """
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def fatal(failure):
-        raise SystemExit(1)
-
-    ma.unhandled_fault_hook = fatal
-    procs = this_host().spawn_procs(per_host={"gpus": 1})
-    procs.spawn("bad", Bad)
-    for _ in range(60):
-        time.sleep(0.5)
-    print("not reached")
-    """)
+    """ + _FATAL_HOOK)
     assert result.returncode == -signal.SIGTERM and "not reached" not in result.stdout, result.stderr
     assert "SIGINT is ignored in this process: ending it with SIGTERM" in result.stderr
 

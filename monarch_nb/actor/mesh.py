@@ -22,6 +22,7 @@ from .endpoint import Endpoint, EndpointProperty, NotAnEndpoint, check_actor_cla
 from .failure import note_client_loop
 from .future import Future
 from .shape import Extent, Shape
+from .workspace import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
 
 if TYPE_CHECKING:
     import os
@@ -161,7 +162,7 @@ class HostMesh(MeshBase):
                                                       preload=tuple(preload)), extent)
 
     def sync_workspace(self, workspace: "str | os.PathLike[str]" = ".", *, auto_reload: bool = False,
-                       exclude: Sequence[str] | str = (), max_bytes: int = 64 * 2**20, max_files: int = 10_000,
+                       exclude: Sequence[str] | str = (), max_bytes: int = DEFAULT_MAX_BYTES, max_files: int = DEFAULT_MAX_FILES,
                        timeout_s: float = 60.0) -> "WorkspaceSync":
         """Copy a local folder's files to every host of this mesh, only those that changed
         (SHA-256 per file), through the mesh's own channel (signed; CurveZMQ between hosts), into
@@ -224,31 +225,11 @@ class ProcMesh(MeshBase):
         return HostMesh(["localhost"])
 
     def sync_workspace(self, workspace: "str | os.PathLike[str]" = ".", *, auto_reload: bool = False,
-                       exclude: Sequence[str] | str = (), max_bytes: int = 64 * 2**20, max_files: int = 10_000,
+                       exclude: Sequence[str] | str = (), max_bytes: int = DEFAULT_MAX_BYTES, max_files: int = DEFAULT_MAX_FILES,
                        timeout_s: float = 60.0) -> "WorkspaceSync":
-        """Copy a local folder to the hosts of these procs, as :meth:`HostMesh.sync_workspace`;
-        ``auto_reload`` reloads the changed modules in this mesh's procs (every rank, whatever
-        the slice).
-
-        Args:
-            workspace: the local folder (default: the working directory, a notebook's folder).
-            auto_reload: also have the serving procs there reload the modules of the workspace
-                that changed (:mod:`monarch_nb.runtime.workspace_reload`); their reports are in
-                the result's ``reloads``.
-            exclude: more patterns not to copy, in ``.gitignore`` syntax (``"data/*.bin"``; one
-                pattern or a list). ``.gitignore`` files in the folder count, and caches,
-                ``.git``, virtual environments and notebook checkpoints are never copied.
-            max_bytes: the most the copied files may hold together, bytes (default 64 MiB).
-            max_files: the most files (default 10,000).
-            timeout_s: how long to wait for every host's answer, seconds.
-
-        Raises:
-            TypeError, ValueError: a bad argument, or an unknown host (nothing was sent).
-            NotADirectoryError: ``workspace`` is not a folder.
-            WorkspaceTooLarge: over ``max_bytes`` or ``max_files``; names the largest files.
-            WorkspaceError: a file that cannot be read or named on every host, a bad pattern.
-            WorkspaceSyncError: a host is lost or refused the copy (the others were synced).
-        """
+        """Copy a local folder to the hosts of these procs, as :meth:`HostMesh.sync_workspace`
+        (the same arguments, result and errors); ``auto_reload`` reloads the changed modules in
+        this mesh's procs (every rank, whatever the slice)."""
         return backend.current().sync_workspace(workspace, mesh=self._name, exclude=exclude, max_bytes=max_bytes,
                                                 max_files=max_files, auto_reload=auto_reload, timeout_s=timeout_s)
 

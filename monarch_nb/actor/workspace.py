@@ -7,7 +7,13 @@ from typing import Mapping
 
 from ..errors import MonarchError
 
-__all__ = ["WorkspaceSync", "HostSync", "ModuleReload", "WorkspaceSyncError", "human_bytes"]
+__all__ = ["WorkspaceSync", "HostSync", "ModuleReload", "WorkspaceSyncError", "human_bytes", "DEFAULT_MAX_BYTES",
+           "DEFAULT_MAX_FILES"]
+
+#: Largest workspace copied unless the caller allows more, bytes (64 MiB): it travels to every host.
+DEFAULT_MAX_BYTES = 64 * 2**20
+#: Most files copied unless the caller allows more (a home folder by mistake is refused fast).
+DEFAULT_MAX_FILES = 10_000
 
 
 class WorkspaceSyncError(MonarchError, RuntimeError):

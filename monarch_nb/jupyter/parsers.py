@@ -13,6 +13,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from ..actor.workspace import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
 from ..argtypes import nonneg_int, positive_int
 from .ranks import RANK_FORMS
 
@@ -134,8 +135,10 @@ def build_line_parser() -> Parser:
     p.add_argument("--reload", action="store_true", help="the mesh's procs reload the modules that changed")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="a .gitignore-style pattern not to copy (repeatable), e.g. 'data/*.bin'")
-    p.add_argument("--max-mib", type=positive_int, default=64, metavar="MIB", help="the most it may copy (default 64 MiB)")
-    p.add_argument("--max-files", type=positive_int, default=10_000, metavar="N", help="the most files (default 10000)")
+    p.add_argument("--max-mib", type=positive_int, default=DEFAULT_MAX_BYTES // 2**20, metavar="MIB",
+                   help="the most it may copy (default %(default)s MiB)")
+    p.add_argument("--max-files", type=positive_int, default=DEFAULT_MAX_FILES, metavar="N",
+                   help="the most files (default %(default)s)")
     p.add_argument("--mesh", help="a proc mesh name (default: the one %%%%mesh uses)")
 
     p = sub.add_parser("logs", help="the last output lines of one rank",

@@ -35,7 +35,7 @@ from ..actor.backend import Target
 from ..actor.context import CLIENT_MESH
 from ..actor.future import Future
 from ..actor.shape import Extent
-from ..actor.workspace import WorkspaceSync
+from ..actor.workspace import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES, WorkspaceSync
 from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
@@ -47,7 +47,7 @@ from ..transport.channel import Channel
 from ..transport.wire import Header, Signer, route_id
 from .actor_host import ActorHost
 from .actor_meshes import LOCAL_PROC, ActorMeshes
-from .hosts import LOCAL, Hosts
+from .hosts import Hosts
 from .launch import RUN_DIR_PREFIX, sweep_stale_run_dirs
 from .liveness import Liveness
 from .messenger import Messenger
@@ -57,7 +57,6 @@ from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHea
                        ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
-from .workspace_files import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
 from .workspaces import Workspaces
 
 __all__ = ["Controller", "OutputLine", "print_output"]
@@ -202,8 +201,7 @@ class Controller:
             procs = self.mesh_records(mesh)
             hosts = [rec.host for rec in procs]
         else:
-            names = {LOCAL if self.host_agents.is_local(h) else h for h in hosts}
-            procs = [rec for rec in self.procs.values() if rec.host in names]
+            procs = list(self.procs.values())  # the room keeps those of the hosts it synced
         return self.workspaces.sync(list(hosts), path, exclude, max_bytes, timeout_s, procs if auto_reload else [], max_files)
 
     def resolve_host(self, host: str) -> HostRecord:

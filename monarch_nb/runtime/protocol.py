@@ -59,7 +59,7 @@ class Kind(str, Enum):
     RENDEZVOUS = "rendezvous"  # the mesh's membership changed: a new rendezvous round (RendezvousHeader)
     FAULT = "fault"  # an in-proc fault to apply (FaultHeader); handled by the faults plugin
     DEBUG = "debug"  # a debugger request (CallHeader: a call with a pickled body); handled by the debug plugin
-    RELOAD = "reload"  # reload the workspace's changed modules (CallHeader, ep "reload"), replied: ReloadResult
+    RELOAD = "reload"  # reload the workspace's changed modules (CallHeader, JSON body), replied {"reloaded", "failed"}
     # proc -> controller
     HELLO = "hello"  # the proc is up (HelloHeader)
     HEARTBEAT = "hb"  # alive, and what runs (HeartbeatHeader)

@@ -21,24 +21,20 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from pathspec import GitIgnoreSpec
 
-from ..actor.workspace import human_bytes
+from ..actor.workspace import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES, human_bytes
 
 __all__ = ["FileEntry", "Manifest", "WorkspaceError", "WorkspaceTooLarge", "WorkspaceCopy", "ApplyResult", "scan",
-           "read_current", "DEFAULT_EXCLUDE", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_FILES"]
+           "read_current", "inside", "DEFAULT_EXCLUDE"]
 
 #: Never copied (git syntax): version control, caches, environments, notebook checkpoints.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     ".git/", ".hg/", ".svn/", "__pycache__/", "*.py[cod]", ".ipynb_checkpoints/", ".venv/", "/venv/", "/env/",
     "*.egg-info/", "node_modules/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", ".tox/", ".DS_Store",
 )
-#: Largest workspace copied unless the caller allows more, bytes (64 MiB): it travels to every host.
-DEFAULT_MAX_BYTES = 64 * 2**20
-#: Most files copied unless the caller allows more (a home folder by mistake is refused fast).
-DEFAULT_MAX_FILES = 10_000
 _IGNORE_FILE = ".gitignore"
 
 
@@ -90,33 +86,37 @@ class WorkspaceTooLarge(WorkspaceError):
     """The folder holds more than the limit allows; the message names the largest files and the fix."""
 
 
+def _compile(lines: Sequence[str], bad: "Callable[[str, Exception], None]") -> GitIgnoreSpec:
+    """``lines`` (``.gitignore`` syntax; blanks and comments dropped) as one spec; ``bad(line,
+    error)`` is called for each line git would not take (it raises, or the line is skipped)."""
+    good = []
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            GitIgnoreSpec.from_lines([line])
+            good.append(line)
+        except Exception as exc:  # noqa: BLE001 - pathspec raises its own error or re.error
+            bad(line, exc)
+    return GitIgnoreSpec.from_lines(good)
+
+
 def exclusion_spec(patterns: Sequence[str], source: str = "exclude") -> GitIgnoreSpec:
     """The caller's patterns (``.gitignore`` syntax) as one spec.
 
     Raises:
         WorkspaceError: a pattern git would not take, named.
     """
-    lines = [line for line in patterns if line.strip() and not line.lstrip().startswith("#")]
-    for line in lines:
-        try:
-            GitIgnoreSpec.from_lines([line])
-        except Exception as exc:  # pathspec raises its own error or re.error
-            raise WorkspaceError(f"bad pattern {line!r} in {source}: {exc}") from None
-    return GitIgnoreSpec.from_lines(lines)
+    def refuse(line: str, exc: Exception) -> None:
+        raise WorkspaceError(f"bad pattern {line!r} in {source}: {exc}") from None
+
+    return _compile(patterns, refuse)
 
 
 def _ignore_file_spec(path: str) -> GitIgnoreSpec:
     """A ``.gitignore``'s spec; lines git would not take are skipped, as git does."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    good = []
-    for line in lines:
-        try:
-            GitIgnoreSpec.from_lines([line])
-            good.append(line)
-        except Exception:  # noqa: BLE001 - a line git ignores too
-            continue
-    return GitIgnoreSpec.from_lines(good)
+        return _compile(f.read().splitlines(), lambda line, exc: None)
 
 
 def scan(root: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_MAX_BYTES,
@@ -255,6 +255,13 @@ class ApplyResult:
     missing: tuple[str, ...]
 
 
+def inside(path: str, folder: str) -> str | None:
+    """``path`` relative to ``folder`` when it lies inside it (both made absolute), else None."""
+    folder = os.path.join(os.path.abspath(folder), "")
+    path = os.path.abspath(path)
+    return path[len(folder):] if path.startswith(folder) else None
+
+
 def safe_relative(rel: str) -> str:
     """``rel`` if it is a plain relative POSIX path inside its root.
 
@@ -291,7 +298,7 @@ class WorkspaceCopy:
             entry = manifest.get(rel)
             if entry is None:
                 raise ValueError(f"workspace file {rel!r} was sent but is not in the manifest")
-            if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            if FileEntry.of(data, entry.mode) != entry:
                 raise ValueError(f"workspace file {rel!r} arrived damaged (its bytes do not match its hash)")
         removed = tuple(rel for rel in list(self.files) if rel not in manifest)
         for rel in removed:  # first: a path may turn from a file into a folder, or back

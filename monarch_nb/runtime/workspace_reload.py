@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import capture_traceback
 from .protocol import CallHeader, Kind
+from .workspace_files import inside
 
 if TYPE_CHECKING:
     from .proc import Proc
@@ -56,13 +57,6 @@ class ImportTimes:
 _import_times = ImportTimes()
 
 
-def _in(path: str, folder: str) -> str | None:
-    """``path`` relative to ``folder`` when it lies inside it, else None."""
-    folder = os.path.join(os.path.abspath(folder), "")
-    path = os.path.abspath(path)
-    return path[len(folder):] if path.startswith(folder) else None
-
-
 def stale_modules(copy: str, synced_root: str = "", times: ImportTimes | None = None) -> list[str]:
     """Names of the imported modules of the workspace whose copy changed since their import, in
     the order to reload them: their imports' completion order (a module's imports complete
@@ -78,9 +72,9 @@ def stale_modules(copy: str, synced_root: str = "", times: ImportTimes | None = 
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or not path.endswith(".py"):
             continue
-        rel = _in(path, copy)
+        rel = inside(path, copy)
         if rel is None and synced_root:
-            rel = _in(path, synced_root)
+            rel = inside(path, synced_root)
         if rel is not None and times.changed_since_import(name, os.path.join(copy, rel)):
             names.append(name)
     return names

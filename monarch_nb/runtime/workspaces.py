@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from ..actor.workspace import HostSync, ModuleReload, WorkspaceSync, WorkspaceSyncError
+from ..actor.workspace import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES, HostSync, ModuleReload, WorkspaceSync, WorkspaceSyncError
 from ..supervision.records import HostRecord, ProcRecord, ProcState
 from .protocol import Kind, WorkspaceHeader, WorkspaceSyncedHeader
-from .workspace_files import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES, FileEntry, Manifest, read_current, scan
+from .workspace_files import FileEntry, Manifest, read_current, scan
 
 if TYPE_CHECKING:
     from ..actor.future import Future
@@ -103,7 +103,8 @@ class Workspaces:
              max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 60.0, reload: Sequence[ProcRecord] = (),
              max_files: int = DEFAULT_MAX_FILES) -> WorkspaceSync:
         """Copy folder ``path`` to ``hosts`` (names as meshes give them, "localhost" for this
-        machine), then have the procs ``reload`` their changed modules. Blocks until every host
+        machine), then have those of ``reload``'s procs that run on these hosts reload their
+        changed modules. Blocks until every host
         answered (or ``timeout_s``). One sync at a time: a second waits for the first.
 
         Raises:

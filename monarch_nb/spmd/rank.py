@@ -77,15 +77,16 @@ def _here(path: str, synced_root: str | None) -> str:
     """``path`` if it exists on this host, else its place in this host's workspace copy when it
     lies in ``synced_root``, else ``path``."""
     from ..runtime.proc import current
+    from ..runtime.workspace_files import inside
 
     proc = current()
     copy = proc.env.workspace if proc is not None else ""
     if os.path.exists(path) or not synced_root or not copy:
         return path
-    rel = os.path.relpath(path, synced_root)
-    if rel == os.curdir:
+    if os.path.abspath(path) == os.path.abspath(synced_root):
         return copy
-    return path if rel.startswith(os.pardir) else os.path.join(copy, rel)
+    rel = inside(path, synced_root)
+    return path if rel is None else os.path.join(copy, rel)
 
 
 class _LineCounter:
