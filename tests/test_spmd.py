@@ -47,7 +47,7 @@ def test_a_ddp_script_runs_on_every_rank_and_again_on_the_same_procs(script_proc
     assert done[0] == done[1], "DDP kept the replicas identical"
     second = run_script(script_procs, SCRIPT, ["4"])
     assert second.attempts == 1 and _pids(script_procs) == pids, "the second run used the same procs"
-    assert second.seconds < first.seconds
+    assert second.failures == () and second.world_size == 2
 
 
 def test_a_rank_that_raises_stops_its_peer_at_once_and_the_group_runs_again(script_procs, tmp_path):
