@@ -31,6 +31,8 @@ bench: setup
 	$(PY) bench/multihost.py
 	$(PY) bench/workspace_sync.py
 	$(PY) bench/scale.py
+	$(PY) bench/spmd.py
+	$(PY) bench/tree_widget.py
 
 clean:
 	rm -rf $(VENV) bench/results test-artifacts

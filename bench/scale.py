@@ -1,17 +1,25 @@
 """The control plane's cost as procs grow: real procs on this machine, the controller measured.
 
-    python bench/scale.py [--procs 4,16,64,128] [--calls 50] [--idle-s 10] [--quick]
+    python bench/scale.py [--procs 4,16,64,128] [--calls 50] [--idle-s 10] [--quick] [--heartbeats both]
 
-For each size N, in one run: N real procs on this host (one mesh, ``preload=()``: each a fresh
-interpreter, as the issue's table was measured; no fork server) with a trivial actor, then:
+Both liveness paths in one run, each in its own controller process: ``agents`` (today's
+default: procs heartbeat to their host agent, which sums them up in one message per interval,
+monarch_nb.runtime.heartbeat_relay) and ``direct`` (``MONARCH_NB_HEARTBEATS_VIA_AGENTS=0``:
+every proc heartbeats to the controller, as before issue 25). For each size N: N real procs on
+this host (one mesh, ``preload=()``: each a fresh interpreter, as the issue's table was measured;
+no fork server) with a trivial actor, then:
 
 - spawn -> first reply: from ``spawn_procs`` to the first call-to-all's answer (actor spawned);
 - controller CPU, idle: the controller process's user+system CPU time (``getrusage``: every thread
   of this process: the IO thread that takes heartbeats, the supervisor, and this idle main
   thread) over ``--idle-s`` seconds while the procs sit idle, as % of one core; with the
-  heartbeats received in that time (4 per proc per second), the CPU per heartbeat;
+  heartbeats sent in that time (4 per proc per second), the CPU per heartbeat; the messages the
+  controller received per second, and the host agent's CPU (``/proc/PID/stat``: where the
+  relay's work goes);
 - call to all: ``actors.ping.call().get()`` round trips, p50/p95 over ``--calls``;
-- SIGKILL seen: a rank's process killed (by pid) to its ``proc_exited`` event, one sample.
+- SIGKILL seen: a rank's process killed (by pid) to its ``proc_exited`` event, one sample;
+- SIGSTOP seen: another rank stopped (by pid) to its ``proc_hung`` event, one sample (the hang
+  timeout, 2 s by default, plus the detection delay).
 
 What this does not yet do (issue 25): simulated hosts (many host agents with many simulated
 procs each, to reach 1,024 hosts x 8 procs on two cores), and a peer in the same run
@@ -27,7 +35,9 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +48,7 @@ import monarch_nb  # noqa: E402
 from monarch_nb import Actor, endpoint  # noqa: E402
 from monarch_nb.config import config  # noqa: E402
 from monarch_nb.runtime.controller import Controller  # noqa: E402
+from monarch_nb.runtime.hosts import LOCAL  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -51,6 +62,13 @@ class Ping(Actor):
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User+system CPU seconds of process ``pid`` (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -68,9 +86,12 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
         spawn_s = time.perf_counter() - t0
         time.sleep(2.0)  # the spawn's after-effects (imports finishing, first heartbeats) settle
         heartbeats = n * idle_s / config.heartbeat_interval_s
-        cpu0, w0 = _cpu_s(), time.perf_counter()
+        agent = ctrl.hosts[LOCAL].pid
+        received0 = sum(ctrl.channel.received.values())
+        cpu0, agent0, w0 = _cpu_s(), _proc_cpu_s(agent), time.perf_counter()
         time.sleep(idle_s)
-        cpu, wall = _cpu_s() - cpu0, time.perf_counter() - w0
+        cpu, agent_cpu, wall = _cpu_s() - cpu0, _proc_cpu_s(agent) - agent0, time.perf_counter() - w0
+        messages = sum(ctrl.channel.received.values()) - received0
         rtts = []
         for _ in range(calls):
             c0 = time.perf_counter()
@@ -82,12 +103,30 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
         os.kill(victim.pid, signal.SIGKILL)
         seen = ctrl.events.wait_for(lambda e: e.kind == "proc_exited" and e.rank == n - 1, 30, since)
         kill_s = time.perf_counter() - k0 if seen is not None else float("nan")
+        stopped = ctrl.proc_record(procs.name, 0)
+        since = ctrl.events.next_seq
+        s0 = time.perf_counter()
+        os.kill(stopped.pid, signal.SIGSTOP)
+        seen = ctrl.events.wait_for(lambda e: e.kind == "proc_hung" and e.rank == 0, 30, since)
+        hang_s = time.perf_counter() - s0 if seen is not None else float("nan")
     finally:
         procs.stop()
-    return {"procs": n, "spawn_to_first_reply_s": spawn_s, "controller_cpu_idle_pct": 100 * cpu / wall,
+    return {"procs": n, "heartbeats": "agents" if config.heartbeats_via_agents else "direct",
+            "spawn_to_first_reply_s": spawn_s, "controller_cpu_idle_pct": 100 * cpu / wall,
             "cpu_per_heartbeat_us": 1e6 * cpu / heartbeats if heartbeats else float("nan"),
+            "controller_messages_per_s_idle": messages / wall, "agent_cpu_idle_pct": 100 * agent_cpu / wall,
+            "sigstop_seen_s": hang_s,
             "call_all_p50_ms": 1e3 * statistics.median(rtts), "call_all_p95_ms": 1e3 * _pct(rtts, 0.95),
             "sigkill_seen_ms": 1e3 * kill_s}
+
+
+def _run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
+    """Measure ``mode`` ("agents" or "direct") in a fresh controller process; its rows."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = dict(os.environ, MONARCH_NB_HEARTBEATS_VIA_AGENTS="1" if mode == "agents" else "0")
+        subprocess.run([sys.executable, __file__, "--procs", args.procs, "--calls", str(args.calls), "--idle-s", str(args.idle_s),
+                        "--heartbeats", mode, "--rows-to", out.name], env=env, check=True)
+        return json.loads(Path(out.name).read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,20 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=50, help="call-to-all samples per size (default 50)")
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measurement (default 10)")
     p.add_argument("--quick", action="store_true", help="sizes 4,16,64; 20 calls; 5 s idle")
+    p.add_argument("--heartbeats", choices=("both", "agents", "direct"), default="both",
+                   help="liveness path(s) to measure, each in its own controller (default both)")
+    p.add_argument("--rows-to", help=argparse.SUPPRESS)  # a mode's child process writes its rows here
     args = p.parse_args(argv)
     if args.quick:
         args.procs, args.calls, args.idle_s = "4,16,64", 20, 5.0
-    rows = [measure(int(n), args.calls, args.idle_s) for n in args.procs.split(",")]
-    Controller.get().shutdown()
+    if args.rows_to:
+        rows = [measure(int(n), args.calls, args.idle_s) for n in args.procs.split(",")]
+        Controller.get().shutdown()
+        Path(args.rows_to).write_text(json.dumps(rows))
+        return 0
+    modes = ("agents", "direct") if args.heartbeats == "both" else (args.heartbeats,)
+    rows = [row for mode in modes for row in _run_mode(mode, args)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows}
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
-    print(f"{'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'us/heartbeat':>13} {'call-all p50 ms':>16} "
-          f"{'p95 ms':>8} {'SIGKILL seen ms':>16}")
+    print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
+          f"{'agent CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
     for r in rows:
-        print(f"{r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
-              f"{r['cpu_per_heartbeat_us']:>13.0f} {r['call_all_p50_ms']:>16.2f} {r['call_all_p95_ms']:>8.2f} "
-              f"{r['sigkill_seen_ms']:>16.1f}")
+        print(f"{r['heartbeats']:>10} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
+              f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['call_all_p50_ms']:>16.2f} "
+              f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     print(f"JSON: {RESULTS / 'scale.json'}")
     return 0
 

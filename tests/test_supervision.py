@@ -17,6 +17,7 @@ from monarch_nb import ActorError, SupervisionError
 from monarch_nb.config import config
 from monarch_nb.faults.chaos import ChaosSchedule
 from monarch_nb.runtime.controller import Controller
+from monarch_nb.runtime.protocol import Kind
 from monarch_nb.supervision.records import ProcState
 from monarch_nb.supervision.policy import Failure
 from monarch_nb.supervision.tree import find, render
@@ -193,6 +194,23 @@ def test_partition_looks_hung_and_is_fenced(m):
     assert hung.monotonic - injected_at(ctrl, procs, 2, since) <= config.hang_timeout_s + 1.0
     assert wait_event(ctrl, procs, "proc_exited", 2, since).cause == "fenced"
     assert workers.slice(gpus=3).echo.call_one(3).get(timeout=DEADLINE_S) == 3
+
+
+def test_heartbeats_reach_the_controller_as_one_message_per_host(m):
+    """Procs heartbeat to their host agent, which sums them up in its own heartbeat: the
+    controller's messages per interval grow with hosts, not procs (issue 25)."""
+    procs, workers, _, ctrl = m
+    recs = [ctrl.proc_record(procs.name, rank) for rank in range(4)]
+    before = dict(ctrl.channel.received)
+    start = time.monotonic()
+    wait_until(lambda: time.monotonic() - start >= 2.0 and all(r.last_heartbeat > start + 1.0 for r in recs), 10,
+               message="every proc heard through its agent for 2 s")
+    seconds = time.monotonic() - start
+    got = {kind: n - before.get(kind, 0) for kind, n in ctrl.channel.received.items()}
+    assert got.get(Kind.HEARTBEAT, 0) == 0, "no proc heartbeats to the controller itself"
+    intervals = seconds / config.heartbeat_interval_s
+    assert 0.5 * intervals <= got.get(Kind.AGENT_HEARTBEAT, 0) <= 1.5 * intervals * len(ctrl.hosts)
+    assert all(r.state == ProcState.HEALTHY for r in recs)
 
 
 # -- tree, restart, fencing policy ------------------------------------------------------------------

@@ -507,6 +507,7 @@ class Controller:
         for rec in list(self.procs.values()):
             if rec.host == host.name:
                 rec.os_stopped = rec.identity in stopped
+        self.liveness.on_host_heartbeats(host.name, header.get("heard", ()), header.get("changed", {}))
 
     def _on_spares(self, header: SparesHeader, body: Any, buffers: list[memoryview]) -> None:
         host = self.hosts.get(route_id(header["src"]))

@@ -55,6 +55,7 @@ from ..transport.channel import Channel
 from ..transport.keys import load_trust
 from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
+from .heartbeat_relay import HeartbeatRelay
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, WorkspaceHeader,
@@ -135,6 +136,8 @@ class HostAgent:
         sweep_stale_run_dirs()  # of agents killed before they could clean up
         self.folder = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-agent-")
         self.workspace = WorkspaceCopy(os.path.join(self.folder, "workspace"))  # first on every proc's sys.path
+        # procs' heartbeats, summarized in ours
+        self.heartbeats = HeartbeatRelay(self.folder, self._ranked_children, enabled=env.relay_heartbeats)
         self.subreaper = become_subreaper()
         self.servers: dict[str, ForkServer] = {}  # server_key -> server (a dead one stays: no retry storm)
         self._unclaimed_exits: dict[int, int] = {}  # pid -> status of a forked proc reaped before its reply was read
@@ -185,6 +188,7 @@ class HostAgent:
         proc_env.import_slots = self.cores
         proc_env.curve_dir = self.env.curve_dir
         proc_env.workspace = self.workspace.root
+        proc_env.heartbeat_dir = self.heartbeats.folder
         proc_env.sys_path = [self.workspace.root, *(p for p in proc_env.sys_path if p != self.workspace.root)]
         if proc_env.rank >= 0:
             proc_env.extra.update(device.visibility_env(proc_env.local_rank, self.inventory))
@@ -533,6 +537,7 @@ class HostAgent:
     def _forget(self, pid: int, child: ChildProc, *, report: bool, status: int) -> None:
         """``child`` exited with ``status``: forward its last output, then report the exit."""
         self.children.pop(pid, None)
+        self.heartbeats.forget(pid)
         for fd in list(child.fds):  # output written before death goes out before the exit report
             self._drain(child, fd)
         for fd in list(child.fds):  # a grandchild may hold the pipe: stop reading it
@@ -562,7 +567,12 @@ class HostAgent:
             self.channel.send(CONTROLLER, exited)
 
     # -- what the OS says ----------------------------------------------------------------------------
+    def _ranked_children(self) -> list[tuple[int, str]]:
+        return [(pid, child.identity) for pid, child in list(self.children.items()) if child.identity is not None]
+
     def _heartbeat(self) -> None:
+        """Our heartbeat: the host's load, the procs the OS reports stopped, and the procs'
+        heartbeats since the last one (see :mod:`.heartbeat_relay`)."""
         stopped, runnable = [], 0
         for pid, child in list(self.children.items()):
             state = _os_state(pid)
@@ -570,7 +580,9 @@ class HostAgent:
                 stopped.append(child.identity)
             elif state == "R":
                 runnable += 1
-        header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped}
+        procs = self.heartbeats.summary()
+        header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped,
+                                        "heard": list(procs.heard), "changed": procs.changed}
         self.channel.send(CONTROLLER, header)
         self._publish_seen()
 
@@ -619,6 +631,7 @@ class HostAgent:
             self._reap()
             time.sleep(0.005)
         self.channel.close()
+        self.heartbeats.close()
         if self.env.run_id:  # files of messages that were never received (their receiver died)
             shm.remove_orphans(self.env.run_id)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -2,9 +2,10 @@
 
 :class:`Liveness` runs on the controller's IO thread. It learns of a proc's exit from its host
 agent (the agent is the parent: SIGCHLD, with the proc's last output drained first), of a hang
-from heartbeats missing for ``hang_timeout_s`` (``import_grace_s`` while the proc announces a heavy
-import), and of a debugger pause from the heartbeats' ``paused`` field. A failure fails the calls
-in flight to the proc, tells every other proc, and goes to the supervisor thread. Of its
+from heartbeats (summarized per host by its agent: :mod:`.heartbeat_relay`) missing for
+``hang_timeout_s`` (``import_grace_s`` while the proc announces a heavy import), and of a
+debugger pause from the heartbeats' ``paused`` field. A failure fails the calls in flight to the
+proc, tells every other proc, and goes to the supervisor thread. Of its
 controller it sees only :class:`LivenessController`: the records, the socket and the messenger,
 the event log and the acts of the other rooms it sets off (a new rendezvous round, a failure for
 the supervisor, a restarted proc's actors).
@@ -16,12 +17,13 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 from ..config import config
 from ..errors import SupervisionError
 from ..supervision.records import ProcRecord, ProcState
-from .protocol import HelloHeader, HeartbeatHeader, Kind, PeerHeader, ProcExitedHeader
+from ..transport.wire import route_id
+from .protocol import HeartbeatFields, HelloHeader, Kind, PeerHeader, ProcExitedHeader
 
 if TYPE_CHECKING:
     from ..actor.future import Future
@@ -98,7 +100,26 @@ class Liveness:
             self.ctrl.record_event("proc_started", rec, detail=f"pid {rec.pid}")
             rec.ready.set()
 
-    def on_heartbeat(self, rec: ProcRecord, header: HeartbeatHeader) -> None:
+    def on_host_heartbeats(self, host: str, heard: Iterable[str], changed: Mapping[str, HeartbeatFields]) -> None:
+        """Host agent ``host`` summarized its procs' heartbeats since its last one (see
+        :mod:`.heartbeat_relay`): each proc heard counts as a heartbeat now; those in ``changed``
+        take their new fields. Procs of other hosts are ignored (an agent speaks for its own)."""
+        now = time.monotonic()
+        for identity in heard:
+            rec = self.ctrl.procs.get(route_id(identity))
+            if rec is None or rec.host != host:
+                continue
+            if rec.state == ProcState.HUNG:  # silent, then heard again: the full path (it may resume)
+                self.on_heartbeat(rec, {"busy": rec.busy, "loading": rec.loading, "paused": rec.paused})
+            else:
+                rec.last_heartbeat = now
+        for identity, fields in changed.items():
+            rec = self.ctrl.procs.get(route_id(identity))
+            if rec is not None and rec.host == host:
+                self.on_heartbeat(rec, fields)
+
+    def on_heartbeat(self, rec: ProcRecord, header: HeartbeatFields) -> None:
+        """A heartbeat of ``rec``'s proc (straight from it, or in its agent's summary)."""
         ctrl = self.ctrl
         rec.last_heartbeat = time.monotonic()
         rec.busy = header.get("busy", {})

@@ -8,7 +8,8 @@ heartbeat (:meth:`Proc.add_heartbeat_field`) and observers of endpoint failures
 (:meth:`Proc.add_failure_hook`).
 
 The main thread runs the IO loop (it also sends heartbeats, so a busy actor does not look hung,
-while a GIL-holding C call or SIGSTOP does). The actors live in an
+while a GIL-holding C call or SIGSTOP does). Heartbeats go to the host agent, which summarizes
+its procs' in one message per interval (:mod:`.heartbeat_relay`). The actors live in an
 :class:`~monarch_nb.runtime.actors.ActorHost`: each has its own thread (and asyncio loop, if
 async), so an endpoint may block on another actor's reply (``.get()`` inside an endpoint), even
 one living in the same proc, without deadlock. Messages from one sender to one actor are run in
@@ -51,6 +52,7 @@ from .actor_host import ActorHost
 from .actors import ActorRunner
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
+from .heartbeat_relay import HeartbeatSender
 from .protocol import (CONTROLLER, CallHeader, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
                        LogLevelHeader, PeerHeader, ProcEnv, RendezvousHeader)
 
@@ -134,6 +136,7 @@ class Proc:
         self.messenger.local[identity] = self.host.dispatch  # an actor calling an actor of this proc
         self.identity_route = route_id(identity)
         self._heartbeat_fields: list[Callable[[], HeartbeatFields]] = []
+        self._to_agent = HeartbeatSender(env.heartbeat_dir) if env.heartbeat_dir else None
         self._peer_failure_hooks: list[Callable[[PeerFailure], None]] = []
         #: peers of this proc's mesh that failed, in the order heard (``%%mesh`` cells name them)
         self.peer_failures: list[PeerFailure] = []
@@ -236,12 +239,17 @@ class Proc:
         """Send a heartbeat now (any thread): what runs, plus the plugins' fields."""
         now = time.monotonic()
         busy = {name: [r.current[0], round(now - r.current[1], 3)] for name, r in list(self.actors.items()) if r.current}
-        hb: HeartbeatHeader = {"kind": Kind.HEARTBEAT, "busy": busy}
+        beat: HeartbeatFields = {"busy": busy}
         for fields in self._heartbeat_fields:
-            hb.update(fields())
+            beat.update(fields())
         loading = import_grace.loading()  # a heavy import may hold the GIL for seconds: not a hang
         if loading:
-            hb["loading"] = loading
+            beat["loading"] = loading
+        if self._to_agent is not None:  # summarized in the host agent's heartbeat (see heartbeat_relay)
+            if time.monotonic() >= self.channel.muted_until:  # a partition fault cuts this path too
+                self._to_agent.send(beat)
+            return
+        hb: HeartbeatHeader = {"kind": Kind.HEARTBEAT, **beat}
         self.channel.send(CONTROLLER, hb)
 
     # -- any thread ------------------------------------------------------------------------------

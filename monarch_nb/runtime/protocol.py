@@ -207,6 +207,7 @@ class AttachHeader(Header):
     controller_timeout_s: float  # the agent kills its procs when the controller is silent this long
     controller_host: str  # the controller's machine (hostname) and pid, for the worker's log
     controller_pid: int
+    relay_heartbeats: bool  # the agent relays its procs' heartbeats (config.heartbeats_via_agents)
 
 
 class AttachedHeader(Header, total=False):
@@ -226,6 +227,8 @@ class AttachedHeader(Header, total=False):
 class AgentHeartbeatHeader(Header):
     load: float  # runnable procs of this host per core (1.0: every core busy)
     stopped: list[str]  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
+    heard: list[str]  # procs that heartbeated to the agent since its last heartbeat, fields unchanged
+    changed: dict[str, HeartbeatFields]  # procs heard whose fields changed (or first heard): their latest fields
 
 
 class RendezvousHeader(Header):
@@ -365,6 +368,8 @@ class ProcEnv:
         curve_dir: the cluster's CurveZMQ key folder on this host ("" for plain transport).
         workspace: the host's copy of the synced workspace (first on ``sys_path``; "" for none),
             see :mod:`.workspace_files`.
+        heartbeat_dir: the host agent's folder of heartbeat files (see :mod:`.heartbeat_relay`;
+            "": the proc heartbeats to the controller).
         extra: further variables, verbatim (per-rank device visibility, MASTER_ADDR, ...).
     """
 
@@ -385,6 +390,7 @@ class ProcEnv:
     import_slots: int = 0
     curve_dir: str = ""
     workspace: str = ""
+    heartbeat_dir: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_env(self) -> dict[str, str]:
@@ -414,6 +420,8 @@ class ProcEnv:
             env[_PREFIX + "CURVE_DIR"] = self.curve_dir
         if self.workspace:
             env[_PREFIX + "WORKSPACE"] = self.workspace
+        if self.heartbeat_dir:
+            env[_PREFIX + "HEARTBEAT_DIR"] = self.heartbeat_dir
         return env
 
     def to_json(self) -> dict[str, Any]:
@@ -448,6 +456,7 @@ class ProcEnv:
             import_slots=int(_read(environ, "IMPORT_SLOTS", "0")),
             curve_dir=_read(environ, "CURVE_DIR", ""),
             workspace=_read(environ, "WORKSPACE", ""),
+            heartbeat_dir=_read(environ, "HEARTBEAT_DIR", ""),
         )
 
 
@@ -482,6 +491,7 @@ class AgentEnv:
     curve_dir: str = ""
     iface: str = "lo"
     status_path: str = ""
+    relay_heartbeats: bool = True
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -495,6 +505,7 @@ class AgentEnv:
             _PREFIX + "CURVE_DIR": self.curve_dir,
             _PREFIX + "IFACE": self.iface,
             _PREFIX + "STATUS_PATH": self.status_path,
+            _PREFIX + "RELAY_HEARTBEATS": "1" if self.relay_heartbeats else "0",
         }
 
     @classmethod
@@ -515,6 +526,7 @@ class AgentEnv:
             curve_dir=_read(environ, "CURVE_DIR", ""),
             iface=_read(environ, "IFACE", "lo"),
             status_path=_read(environ, "STATUS_PATH", ""),
+            relay_heartbeats=_read(environ, "RELAY_HEARTBEATS", "1") == "1",
         )
 
 

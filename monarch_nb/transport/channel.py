@@ -164,6 +164,7 @@ class Channel:
         self._count_lock = threading.Lock()
         self._local = threading.local()  # per leading thread: its poller
         self.dropped: collections.Counter[str] = collections.Counter()  # reason -> count
+        self.received: collections.Counter[str] = collections.Counter()  # kind -> verified messages handed on
         self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
@@ -443,6 +444,7 @@ class Channel:
                 continue
             if sender is not None:
                 self._peers.add(sender)
+            self.received[header["kind"]] += 1
             if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
                 try:
                     buffers = self._import_large(header, buffers)

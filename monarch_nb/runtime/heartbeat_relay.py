@@ -1,0 +1,187 @@
+"""Proc heartbeats through the host agent: one message per host per interval reaches the controller.
+
+A proc heartbeats 4 times a second; with every proc sending straight to the controller, the
+controller's cost grows with procs (about 175 µs of its CPU per heartbeat, most of it the wake-up
+per message: docs/scale.md). Here a proc writes its heartbeat (its fields and a sequence number)
+to a small file of its own in the host agent's run folder, replaced atomically; the agent reads
+its procs' files once per interval, on its own heartbeat tick, and puts them into its heartbeat
+(:class:`~.protocol.AgentHeartbeatHeader`): the identities heard since its last one (a new
+sequence number) and the fields of those whose fields changed. No message and no wake-up per
+proc heartbeat, anywhere: the controller's work per idle proc is one timestamp, its messages per
+interval one per host; the agent's is one file read per proc per interval.
+
+Detection stays where it was: a proc's exit is the agent's SIGCHLD, pushed at once; a proc silent
+for the hang timeout is hung, seen up to one interval later than with direct heartbeats (the
+agent reads on its next tick); a silent host is the agent's own heartbeats missing.
+
+Why the files carry no HMAC: they live in the agent's run folder (mode 0700, the user's own), a
+file is JSON read as plain data (nothing unpickled), and the agent reads only the files named
+after its own children's pids. ``config.heartbeats_via_agents = False`` keeps the older path
+(each proc heartbeats to the controller), for comparison (bench/scale.py measures both).
+
+Classes:
+    :class:`HeartbeatRelay`: the agent's end (the folder, each child's last beat, the summary).
+    :class:`HeartbeatSender`: the proc's end (writes one beat; never blocks on the agent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .protocol import HeartbeatFields
+
+__all__ = ["HeartbeatRelay", "HeartbeatSender", "RelaySummary", "FOLDER_NAME"]
+
+log = logging.getLogger(__name__)
+
+#: The beats' folder inside the agent's run folder.
+FOLDER_NAME = "heartbeats"
+#: Longest beat file read (bytes); a heartbeat is a few hundred. Longer ones are dropped.
+MAX_BEAT_BYTES = 1 << 16
+
+
+def beat_path(folder: str, pid: int) -> str:
+    """The file proc ``pid`` writes its heartbeat to."""
+    return os.path.join(folder, f"{pid}.json")
+
+
+@dataclass(frozen=True)
+class RelaySummary:
+    """What the agent's next heartbeat says of its procs (the procs heard since the last one).
+
+    Attributes:
+        heard: identities heard whose fields are the same as last sent.
+        changed: identity -> its latest fields, for those heard whose fields changed (or first heard).
+    """
+
+    heard: tuple[str, ...] = ()
+    changed: dict[str, HeartbeatFields] = field(default_factory=dict)
+
+
+@dataclass
+class _Seen:
+    seq: int = -1  # the last sequence number read
+    sent: HeartbeatFields | None = None  # the fields as last summarized, None: never
+
+
+class HeartbeatRelay:
+    """The agent's end: the beats' folder and what it last read of each child.
+
+    Args:
+        run_folder: the agent's run folder (private to the user); the beats go in a folder inside it.
+        children: () -> (pid, identity) of the agent's procs that have a rank (not spares).
+        enabled: False: no folder (``config.heartbeats_via_agents`` off): procs heartbeat to the controller.
+
+    Attributes:
+        folder: the beats' folder, "" when disabled or it could not be made.
+        dropped: beat files that were unreadable (not JSON, too long, no sequence number).
+    """
+
+    def __init__(self, run_folder: str, children: Callable[[], Iterable[tuple[int, str]]], *, enabled: bool = True) -> None:
+        self._children = children
+        self._seen: dict[int, _Seen] = {}  # pid -> what was read of it
+        self.dropped = 0
+        self.folder = ""
+        if not enabled:
+            return
+        folder = os.path.join(run_folder, FOLDER_NAME)
+        try:
+            os.mkdir(folder, 0o700)
+        except OSError as exc:
+            log.warning("no heartbeat folder (%s): procs heartbeat to the controller", exc)
+            return
+        self.folder = folder
+
+    def summary(self) -> RelaySummary:
+        """Read every child's beat file: those with a new sequence number since the last summary
+        are heard (with their fields where they changed)."""
+        heard: list[str] = []
+        changed: dict[str, HeartbeatFields] = {}
+        if not self.folder:
+            return RelaySummary()
+        for pid, identity in self._children():
+            beat = self._read(pid)
+            if beat is None:
+                continue
+            seq, fields = beat
+            seen = self._seen.setdefault(pid, _Seen())
+            if seq == seen.seq:
+                continue  # silent since the last summary
+            seen.seq = seq
+            if fields == seen.sent:
+                heard.append(identity)
+            else:
+                seen.sent = fields
+                changed[identity] = fields
+        return RelaySummary(tuple(heard), changed)
+
+    def _read(self, pid: int) -> tuple[int, HeartbeatFields] | None:
+        try:
+            with open(beat_path(self.folder, pid), "rb") as f:
+                data = f.read(MAX_BEAT_BYTES + 1)
+        except OSError:  # not written yet (a proc starting), or gone
+            return None
+        try:
+            if len(data) > MAX_BEAT_BYTES:
+                raise ValueError("too long")
+            beat = json.loads(data)
+            return int(beat.pop("seq")), beat
+        except (ValueError, TypeError, KeyError, AttributeError):
+            self.dropped += 1
+            return None
+
+    def forget(self, pid: int) -> None:
+        """``pid`` exited: its beats end with it (a new incarnation starts as never heard)."""
+        self._seen.pop(pid, None)
+        if self.folder:
+            try:
+                os.unlink(beat_path(self.folder, pid))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = ""
+
+
+class HeartbeatSender:
+    """The proc's end: writes its heartbeat to its file in the agent's beats folder ``folder``.
+
+    The file is replaced atomically (written aside, then renamed), so the agent reads a whole
+    beat or the one before. A beat that cannot be written (the folder is gone: the agent exited,
+    and this proc follows it) is dropped and counted.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.pid = os.getpid()
+        self.path = beat_path(folder, self.pid)
+        self._aside = os.path.join(folder, f".{self.pid}.tmp")
+        self._seq = 0
+        self._lock = threading.Lock()  # any thread may beat (an import announces itself at once)
+        self.failures = 0
+
+    def send(self, fields: HeartbeatFields) -> bool:
+        """Write one heartbeat (any thread); False when it was dropped."""
+        with self._lock:
+            self._seq += 1
+            data = json.dumps({"seq": self._seq, **fields}).encode()
+            try:
+                fd = os.open(self._aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.write(fd, data)
+                finally:
+                    os.close(fd)
+                os.replace(self._aside, self.path)
+                return True
+            except OSError as exc:
+                self.failures += 1
+                if self.failures == 1:
+                    log.warning("heartbeat to the host agent dropped (%s)", exc)
+                return False
