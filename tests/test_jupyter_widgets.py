@@ -169,6 +169,29 @@ def test_fault_and_restart_from_a_selected_cell(cluster_tree):
     assert "failed" in widget.status and "restart it first" in widget.status
 
 
+def test_a_ranks_change_reaches_the_browser_as_its_host_row_and_a_frontend_behind_gets_the_whole_grid(cluster_tree):
+    widget, controller = cluster_tree
+    sent: list[dict] = []
+    send = widget._send
+    widget._send = lambda msg, buffers=None: (sent.append(msg), send(msg, buffers))
+    widget.refresh()
+    version = widget.grid["v"]
+    controller.fail(27, "SIGKILL", "killed by signal SIGKILL")  # rank 27 lives on host4
+    widget.refresh()
+    deltas = [m["content"] for m in sent if m.get("method") == "custom" and m["content"].get("type") == "grid_delta"]
+    assert len(deltas) == 1 and not any("grid" in m.get("state", {}) for m in sent), "no whole grid sent"
+    delta = deltas[0]
+    assert (delta["from"], delta["v"], delta["order"]) == (version, version + 1, None) and list(delta["rows"]) == ["host4"]
+    assert next(c for c in delta["rows"]["host4"]["cells"] if c["rank"] == 27)["state"] == "failed"
+    assert delta["summary"]["counts"] == {k: v for k, v in widget.grid["counts"].items()}
+    sent.clear()
+    _from_browser(widget, {"action": "grid_sync", "v": version + 1})  # up to date: nothing to send
+    assert sent == []
+    _from_browser(widget, {"action": "grid_sync", "v": version})  # a view that missed the delta
+    [update] = [m for m in sent if m.get("method") == "update"]
+    assert update["state"]["grid"]["v"] == version + 1 and len(update["state"]["grid"]["hosts"]) == 8
+
+
 def test_a_lost_host_stays_lost_while_it_is_attached_again_until_it_is_back(cluster_tree):
     from monarch_nb.supervision.events import Event
     from monarch_nb.supervision.records import HostRecord, ProcState

@@ -14,9 +14,14 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["refresh_loop", "push_changes"]
+__all__ = ["refresh_loop", "push_changes", "MAX_BUSY_FRACTION"]
 
 log = logging.getLogger(__name__)
+
+#: A refresh that takes ``t`` seconds is followed by at least ``t / MAX_BUSY_FRACTION`` seconds
+#: without one: a widget over 8,192 ranks (a refresh of ~0.2 s) holds the kernel's GIL at most a
+#: fifth of the time, so cells and comm messages keep their turn.
+MAX_BUSY_FRACTION = 0.2
 
 
 def refresh_loop(
@@ -29,8 +34,10 @@ def refresh_loop(
     final: bool = False,
 ) -> None:
     """Call ``getattr(ref(), refresh)()`` whenever ``dirty`` is set (and each second if ``periodic``),
-    never more often than the widget's ``_min_interval_s``; once more after ``stop`` if ``final``."""
+    never more often than the widget's ``_min_interval_s`` nor than :data:`MAX_BUSY_FRACTION`
+    allows; once more after ``stop`` if ``final``."""
     last = 0.0
+    spacing = 0.0  # seconds from one refresh's end to the next one's start, at least
     while not stop.is_set():
         dirty.wait(1.0)
         if stop.is_set():
@@ -40,15 +47,17 @@ def refresh_loop(
         widget = ref()
         if widget is None:
             return
-        wait = widget._min_interval_s - (time.monotonic() - last)
+        wait = max(widget._min_interval_s, spacing) - (time.monotonic() - last)
         if wait > 0:
             stop.wait(wait)
         dirty.clear()
+        started = time.monotonic()
         try:
             getattr(widget, refresh)()
         except Exception:
             log.exception("%s.%s failed", type(widget).__name__, refresh)
         last = time.monotonic()
+        spacing = (last - started) / MAX_BUSY_FRACTION
         del widget
     if final:
         widget = ref()

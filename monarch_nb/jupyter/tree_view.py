@@ -6,14 +6,17 @@ It draws what :class:`~.tree_widget.SupervisionTree` puts in its model and sends
   toggle (``grid`` / ``list``; the model's ``view``, "auto" until a user picks one);
 - ``layout`` "list": one row per node (``nodes``, the tree), fault and restart buttons on each proc row;
 - ``layout`` "grid": one row per host (``grid``: name, machine, state or LOST, load) with one
-  cell per rank coloured by state (a failed rank hatched); a click selects the rank;
+  cell per rank coloured by state (a failed rank hatched); a click selects the rank. The grid
+  arrives as ``grid_delta`` messages (the rows that changed, see
+  :meth:`~.tree_widget.SupervisionTree._push_grid`) and only those rows are redrawn;
 - the selected node's details (``details``: title, facts, a rank's fault and restart buttons,
   its actors, events and last output), the status line, the recent events.
 
 A click sends a message: ``{"action": "select", "name"}`` (a node, a host or a cell),
 ``{"action": "view", "view"}`` (the toggle), ``{"action": "fault"|"restart", "kind", "mesh",
-"rank"}`` (a button); Python sets ``selected`` and ``view`` from them. Elements carry ``data-*`` attributes (state, rank, pid, ...) that the browser
-tests read.
+"rank"}`` (a button), ``{"action": "grid_sync", "v"}`` (a view's grid version: Python sends the
+whole grid when it is not the latest); Python sets ``selected`` and ``view`` from them.
+Elements carry ``data-*`` attributes (state, rank, pid, ...) that the browser tests read.
 """
 
 from __future__ import annotations
@@ -129,10 +132,10 @@ function render({ model, el: host }) {
     if (tree.kind) visit(tree, 0); else box.append(el("div", {}, "no controller yet"));
   };
 
-  const drawGrid = (box, grid, selected) => {
-    const several = (grid.meshes || []).length > 1;
-    box.classList.add("mnb-grid");
-    for (const row of grid.hosts || []) {
+  // the grid's host rows: each redrawn only when its row (or the selection in it) changed, so an
+  // update of one rank at 1,024 hosts touches one row, not 8,192 cells
+  const gridLines = new Map();  // host name -> {key, line}
+  const hostLine = (row, selected, several) => {
       const line = el("div", {class: "mnb-hostrow mnb-host" + (row.lost ? " mnb-lost" : ""), "data-name": row.name,
         "data-state": row.state, "data-lost": String(row.lost)});
       const label = el("span", {class: "mnb-hostlabel" + (selected === row.name ? " mnb-selected" : ""),
@@ -154,8 +157,26 @@ function render({ model, el: host }) {
       if (row.lost && row.last_event)
         line.append(el("span", {class: "mnb-lostwhy", title: row.last_event.detail},
                        `lost ${row.last_event.clock}: ${short(row.last_event.detail)}`));
-      box.append(line);
+      return line;
+  };
+  const drawGrid = (box, grid, selected) => {
+    const several = (grid.meshes || []).length > 1;
+    box.classList.add("mnb-grid");
+    const wanted = [];
+    for (const row of grid.hosts || []) {
+      const mine = selected === row.name || row.cells.some((c) => c.name === selected);
+      const key = JSON.stringify([row, mine ? selected : "", several]);
+      let known = gridLines.get(row.name);
+      if (!known || known.key !== key) {
+        known = {key, line: hostLine(row, selected, several)};
+        gridLines.set(row.name, known);
+      }
+      wanted.push(known.line);
     }
+    const names = new Set((grid.hosts || []).map((r) => r.name));
+    for (const name of [...gridLines.keys()]) if (!names.has(name)) gridLines.delete(name);
+    wanted.forEach((line, i) => { if (box.children[i] !== line) box.insertBefore(line, box.children[i] || null); });
+    while (box.children.length > wanted.length) box.lastChild.remove();
   };
 
   // the selected node: a head (title, a rank's buttons) and a body (facts, actors, events, output),
@@ -219,8 +240,15 @@ function render({ model, el: host }) {
     const grid = model.get("grid") || {};
     root.setAttribute("data-layout", layout);
     update("toolbar", [layout, grid.counts, (grid.hosts || []).length, grid.procs], (box) => toolbar(box, layout));
-    if (layout === "grid") update("body", [layout, grid, selected], (box) => drawGrid(box, grid, selected));
-    else update("body", [layout, model.get("nodes"), selected, busy], (box) => drawList(box, model.get("nodes") || {}, selected));
+    if (layout === "grid") {
+      if (shown.body !== "grid") {  // from the list (or nothing): start the rows afresh
+        parts.body.replaceChildren();
+        parts.body.className = "mnb-body";
+        gridLines.clear();
+        shown.body = "grid";
+      }
+      drawGrid(parts.body, grid, selected);
+    } else update("body", [layout, model.get("nodes"), selected, busy], (box) => drawList(box, model.get("nodes") || {}, selected));
     const status = model.get("status");
     update("status", status, (box) => { if (status) box.append(status); });
     const d = model.get("details") || {};
@@ -237,7 +265,23 @@ function render({ model, el: host }) {
     update("events", events, (box) => eventLog(box, events));
   };
   for (const name of ["nodes", "grid", "layout", "selected", "details", "events", "status", "busy"]) model.on(`change:${name}`, draw);
+  // the grid comes as deltas of the rows that changed (see SupervisionTree._push_grid): applied
+  // to the model's grid when it is the version the delta starts from; otherwise (a delta missed
+  // while no view was drawn, or not applied yet by another view) the whole grid is asked for
+  const onCustom = (msg) => {
+    if (!msg || msg.type !== "grid_delta") return;
+    const grid = model.get("grid") || {};
+    if (grid.v === msg.v) return;  // another view of this model applied it
+    if (grid.v !== msg.from) { model.send({action: "grid_sync", v: grid.v === undefined ? null : grid.v}); return; }
+    const rows = new Map((grid.hosts || []).map((r) => [r.name, r]));
+    for (const [name, row] of Object.entries(msg.rows || {})) rows.set(name, row);
+    const order = msg.order || (grid.hosts || []).map((r) => r.name);
+    model.set("grid", {...msg.summary, v: msg.v, hosts: order.map((name) => rows.get(name)).filter((r) => r)});
+  };
+  model.on("msg:custom", onCustom);
+  model.send({action: "grid_sync", v: (model.get("grid") || {}).v ?? null});  // a view drawn late: is its grid the latest?
   draw();
+  return () => model.off("msg:custom", onCustom);
 }
 export default { render };
 """

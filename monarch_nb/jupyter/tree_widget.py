@@ -36,6 +36,7 @@ import anywidget
 import traitlets
 
 from ..supervision.records import ProcState
+from ..supervision.tree import deferred_gc
 from . import tree_grid
 from .fallback import StaticFallback
 from .refresh import push_changes, refresh_loop
@@ -75,7 +76,7 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
     _esm = traitlets.Unicode(ESM).tag(sync=True)
     _css = traitlets.Unicode(CSS).tag(sync=True)
     nodes = traitlets.Dict().tag(sync=True)  # the tree for the list layout; {} while the grid shows
-    grid = traitlets.Dict().tag(sync=True)
+    grid = traitlets.Dict().tag(sync=True)  # whole in Python; to the browser as row deltas (_push_grid)
     view = traitlets.Unicode("auto").tag(sync=True)  # what the user asked for: auto, grid, list
     layout = traitlets.Unicode("list").tag(sync=True)  # what is drawn: grid or list
     selected = traitlets.Unicode("").tag(sync=True)
@@ -104,6 +105,7 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         for event in self._controller.events.events():
             _note(event, self._failures, self._host_events)
         self.tree: dict = {}  # the last snapshot (what the list draws; the grid groups its procs)
+        self._grid_by_delta = True  # grid changes go out as deltas, not as trait updates
         self.updates = 0
         self.on_msg(self._on_frontend_msg)
         self.observe(self._on_choice, names=["selected", "view"])
@@ -207,15 +209,45 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
         return out
 
     def _refresh(self) -> None:
-        tree = self._snapshot()
-        grid = tree_grid.grid_of(tree)
+        with deferred_gc():  # thousands of small dicts at cluster size (see deferred_gc)
+            tree = self._snapshot()
+            grid = tree_grid.grid_of(tree)
         layout = tree_grid.layout_of(tree, self.view if self.view in VIEWS else "auto")
         events = self._recent_events()
         details = self._details(tree)
         nodes = tree if layout == "list" else {}  # the grid needs no per-node data: less to send each second
         self.tree = tree
-        push_changes(self, nodes=nodes, grid=grid, layout=layout, events=events, details=details, busy=sorted(self._busy))
+        push_changes(self, nodes=nodes, layout=layout, events=events, details=details, busy=sorted(self._busy))
+        self._push_grid(grid)
         self.updates += 1
+
+    def _push_grid(self, grid: dict) -> None:
+        """Make ``grid`` the model's grid; the browser gets the host rows that changed.
+
+        ``self.grid`` holds the whole grid and a version ``v`` (what a new frontend receives
+        with the model's state); a change goes out as one ``grid_delta`` message: ``{"from",
+        "v", "summary": counts/procs/meshes, "order": host names (None: unchanged), "rows":
+        {host: row}}``. At 1,024 hosts x 8 ranks a rank's failure is one row (about 2 KB), not the
+        whole grid (about 2 MB). A frontend whose version is not ``from`` asks for the whole grid
+        (``grid_sync``).
+        """
+        old = self.grid
+        old_hosts = old.get("hosts", [])
+        summary = {k: v for k, v in grid.items() if k != "hosts"}
+        if old and grid["hosts"] == old_hosts and summary == {k: v for k, v in old.items() if k not in ("hosts", "v")}:
+            return
+        before = int(old.get("v", 0))
+        previous = {row["name"]: row for row in old_hosts}
+        rows = {row["name"]: row for row in grid["hosts"] if previous.get(row["name"]) != row}
+        order = [row["name"] for row in grid["hosts"]]
+        self.grid = {**grid, "v": before + 1}  # not sent whole: see _should_send_property
+        self.send({"type": "grid_delta", "from": before, "v": before + 1, "summary": summary,
+                   "order": None if order == [row["name"] for row in old_hosts] else order, "rows": rows})
+
+    def _should_send_property(self, key: str, value: Any) -> bool:
+        if key == "grid" and getattr(self, "_grid_by_delta", False):
+            return False  # the grid goes out as deltas (_push_grid), or whole when a frontend asks
+        return super()._should_send_property(key, value)
 
     # -- reading (tests, scripts) -------------------------------------------------------------------
     def proc_states(self, mesh: str | None = None) -> dict[int, str]:
@@ -274,6 +306,10 @@ class SupervisionTree(StaticFallback, anywidget.AnyWidget):
             return None
         if action == "view" and content.get("view") in VIEWS:
             self.view = content["view"]
+            return None
+        if action == "grid_sync":  # a frontend's grid is not the latest (a new view, a missed delta)
+            if content.get("v") != self.grid.get("v"):
+                self.send_state("grid")
             return None
         if action not in ("fault", "restart"):
             return None

@@ -33,19 +33,39 @@ children             the nodes below
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 from typing import Any, Iterable, Iterator, Mapping
 
 from .records import ALIVE, ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, ProcState
 
-__all__ = ["snapshot", "walk", "find", "render", "NODE_STATES", "Node"]
+__all__ = ["snapshot", "walk", "find", "render", "deferred_gc", "NODE_STATES", "Node"]
 
 #: A node of the tree: the keys of the module docstring.
 Node = dict[str, Any]
 
 #: Every state a node can be in.
 NODE_STATES = tuple(ProcState)
+
+
+@contextlib.contextmanager
+def deferred_gc() -> Iterator[None]:
+    """Hold off the cyclic garbage collector while a snapshot (or what is made of it) is built.
+
+    At 8,192 procs a snapshot is ~25,000 acyclic dicts and lists; the collections their
+    allocations trigger scan the whole heap at generation 2, and in a process that imported
+    torch that tripled the time (mean of 16: 0.75 s against 0.25 s deferred). Collection resumes
+    after (one collection then, not dozens during).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _node(kind: str, name: str, state: str, pid: int, **extra: Any) -> Node:
@@ -82,6 +102,12 @@ def snapshot(
     Returns:
         The root node (a dict); host agents are its children, procs theirs, actors theirs.
     """
+    with deferred_gc():
+        return _snapshot(hosts, meshes, procs, closed, started_at, mesh, ranks)
+
+
+def _snapshot(hosts: Iterable[HostRecord], meshes: Mapping[str, ProcMeshRecord], procs: Mapping[str, ProcRecord], closed: bool,
+              started_at: float | None, mesh: str | None, ranks: set[int] | None) -> Node:
     now = time.monotonic()
     root = _node(
         "controller", "controller", ProcState.STOPPED if closed else ProcState.HEALTHY, os.getpid(),
@@ -104,7 +130,7 @@ def snapshot(
     for name, record in list(meshes.items()):
         if mesh is not None and name != mesh:
             continue
-        spawns = list(record.actors)
+        spawns = [(spawn, frozenset(spawn.ranks)) for spawn in list(record.actors)]  # a set: 8,192 ranks, not n^2
         for rank, identity in enumerate(record.procs):
             if ranks is not None and rank not in ranks:
                 continue
@@ -124,7 +150,7 @@ def snapshot(
     return root
 
 
-def _proc_node(rec: ProcRecord, spawns: list[ActorSpawn], now: float) -> Node:
+def _proc_node(rec: ProcRecord, spawns: list[tuple[ActorSpawn, frozenset[int]]], now: float) -> Node:
     alive = rec.alive
     age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
     started = rec.started_at
@@ -144,8 +170,8 @@ def _proc_node(rec: ProcRecord, spawns: list[ActorSpawn], now: float) -> Node:
     )
     busy = dict(rec.busy) if alive else {}
     since_hb = (now - rec.last_heartbeat) if rec.last_heartbeat else 0.0
-    for spawn in spawns:
-        if rec.rank not in spawn.ranks:
+    for spawn, on_ranks in spawns:
+        if rec.rank not in on_ranks:
             continue
         current = busy.get(spawn.name)
         if rec.serving:
