@@ -48,8 +48,8 @@ def refresh_loop(
         if widget is None:
             return
         wait = max(widget._min_interval_s, spacing) - (time.monotonic() - last)
-        if wait > 0:
-            stop.wait(wait)
+        if wait > 0 and stop.wait(wait):
+            break  # closed while it waited: no refresh after close (a final one follows if asked)
         dirty.clear()
         started = time.monotonic()
         try:
