@@ -21,10 +21,21 @@ no fork server) with a trivial actor, then:
 - SIGSTOP seen: another rank stopped (by pid) to its ``proc_hung`` event, one sample (the hang
   timeout, 2 s by default, plus the detection delay).
 
-What this does not yet do (issue 25): simulated hosts (many host agents with many simulated
-procs each, to reach 1,024 hosts x 8 procs on two cores), and a peer in the same run
-(torchmonarch's figures on real hosts are Monarch PR #4875's; ipyparallel's broadcast is in
-bench/actor_latency.py). Prints a table and writes bench/results/scale.json.
+Then, in this process, the real controller against **simulated hosts** (``--simulated``, hosts of
+8 procs: 1 / 8 / 64 / 1,024 hosts = 8 / 64 / 512 / 8,192 procs): bench/_sim_hosts.py, one
+process speaking the host-agent protocol for every host (hello, heartbeats carrying their procs
+as heard, a proc's exit), signed as real agents' messages are; the hosts are registered with the
+controller as attached hosts are (judged for silence, sent the controller's heartbeats), the procs
+as the controller's records of a mesh with the ``isolate`` policy. Real: the controller, its
+sockets, every message it receives and sends, its liveness and supervision code. Simulated: the
+procs themselves (no process, no socket), their calls and replies. For each size: controller
+CPU idle (% of a core, ``getrusage`` over ``--idle-s``), messages received per second, CPU per
+agent heartbeat, procs wrongly declared hung meanwhile (must be 0), one host silenced -> its
+``host_lost`` event, one proc's exit -> its ``proc_exited`` event.
+
+What this does not yet do (issue 25): calls and casts to simulated actors, and a peer in the same
+run (torchmonarch's figures on real hosts are Monarch PR #4875's; ipyparallel's broadcast is in
+bench/actor_latency.py). Prints tables and writes bench/results/scale.json.
 """
 
 from __future__ import annotations
@@ -129,6 +140,88 @@ def _run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
         return json.loads(Path(out.name).read_text())
 
 
+def measure_simulated(hosts: int, per_host: int, idle_s: float) -> dict:
+    """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py)."""
+    from _sim_hosts import host_name, raise_fd_limit
+
+    from monarch_nb.actor.shape import Extent
+    from monarch_nb.supervision.policy import SupervisionPolicy
+    from monarch_nb.supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
+
+    raise_fd_limit()
+    ctrl = Controller.get()
+    mesh = f"sim{hosts}x{per_host}"
+    names = [host_name(mesh, h) for h in range(hosts)]
+    for name in names:  # as an attached host: judged for silence, sent the controller's heartbeats
+        ctrl.hosts[name] = HostRecord(name, address="tcp://127.0.0.1:9")
+        ctrl.host_agents._links[name] = {"address": "tcp://127.0.0.1:9", "trust": None}
+    sim = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_sim_hosts.py"), ctrl.address, mesh, str(hosts),
+                            str(per_host), repr(config.heartbeat_interval_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    identities: list[str] = []
+    try:
+        assert sim.stdin is not None and sim.stdout is not None
+        sim.stdin.write(ctrl.signer.key.hex() + "\n")
+        sim.stdin.flush()
+        assert sim.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while not all(ctrl.hosts[n].state == ProcState.HEALTHY for n in names):
+            if time.monotonic() > deadline:
+                raise RuntimeError("simulated hosts did not all say hello within 60 s")
+            time.sleep(0.05)
+        now = time.monotonic()
+        for rank in range(hosts * per_host):
+            h, g = divmod(rank, per_host)
+            identity = f"{mesh}.{rank}"
+            rec = ProcRecord(identity, mesh, rank, {"hosts": h, "gpus": g}, names[h], {}, state=ProcState.HEALTHY,
+                             pid=1_000_000 + rank, last_heartbeat=now, started_at=now)
+            rec.ready.set()
+            ctrl.procs[identity] = rec
+            identities.append(identity)
+        ctrl.meshes[mesh] = ProcMeshRecord(mesh, Extent({"hosts": hosts, "gpus": per_host}), identities,
+                                           supervision=SupervisionPolicy("isolate"))
+        time.sleep(2.0)
+        since = ctrl.events.next_seq
+        received0 = sum(ctrl.channel.received.values())
+        cpu0, w0 = _cpu_s(), time.perf_counter()
+        time.sleep(idle_s)
+        cpu, wall = _cpu_s() - cpu0, time.perf_counter() - w0
+        messages = sum(ctrl.channel.received.values()) - received0
+        hung = [e for e in ctrl.events.events(since_seq=since) if e.kind == "proc_hung" and e.mesh == mesh]
+        since = ctrl.events.next_seq
+        t0 = time.perf_counter()
+        sim.stdin.write(f"exit {identities[0]}\n")
+        sim.stdin.flush()
+        seen = ctrl.events.wait_for(lambda e: e.kind == "proc_exited" and e.mesh == mesh and e.rank == 0, 30, since)
+        kill_s = time.perf_counter() - t0 if seen is not None else float("nan")
+        victim = names[-1]
+        ctrl.host_agents._reattaching.add(victim)  # lost for good: no re-attach to try
+        since = ctrl.events.next_seq
+        t0 = time.perf_counter()
+        sim.stdin.write(f"silence {victim}\n")
+        sim.stdin.flush()
+        lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == victim, 30, since)
+        lost_s = time.perf_counter() - t0 if lost is not None else float("nan")
+    finally:
+        try:
+            if sim.stdin is not None:
+                sim.stdin.write("quit\n")
+                sim.stdin.close()
+        except BrokenPipeError:  # it died (it said why on stderr)
+            pass
+        sim.wait(30)
+        ctrl.meshes.pop(mesh, None)
+        for identity in identities:
+            ctrl.procs.pop(identity, None)
+        for name in names:
+            ctrl.hosts.pop(name, None)
+            ctrl.host_agents._links.pop(name, None)
+            ctrl.host_agents._reattaching.discard(name)
+    agent_beats = hosts * wall / config.heartbeat_interval_s
+    return {"hosts": hosts, "procs": hosts * per_host, "controller_cpu_idle_pct": 100 * cpu / wall,
+            "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
+            "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--procs", default="4,16,64,128", help="comma-separated sizes (default 4,16,64,128)")
@@ -137,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="sizes 4,16,64; 20 calls; 5 s idle")
     p.add_argument("--heartbeats", choices=("both", "agents", "direct"), default="both",
                    help="liveness path(s) to measure, each in its own controller (default both)")
+    p.add_argument("--simulated", default="1,8,64,1024",
+                   help="simulated host counts, 8 procs each (default 1,8,64,1024; '' for none)")
     p.add_argument("--rows-to", help=argparse.SUPPRESS)  # a mode's child process writes its rows here
     args = p.parse_args(argv)
     if args.quick:
@@ -148,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     modes = ("agents", "direct") if args.heartbeats == "both" else (args.heartbeats,)
     rows = [row for mode in modes for row in _run_mode(mode, args)]
+    simulated = [measure_simulated(int(h), 8, args.idle_s) for h in args.simulated.split(",") if h]
+    if simulated:
+        Controller.get().shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows}
+    out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows, "simulated": simulated}
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
     print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
           f"{'agent CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
@@ -157,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['heartbeats']:>10} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
               f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['call_all_p50_ms']:>16.2f} "
               f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
+    if simulated:
+        print(f"\nsimulated hosts (8 procs each; heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'ctrl CPU idle %':>16} "
+              f"{'ctrl msgs/s':>12} {'us/agent hb':>12} {'wrongly hung':>13} {'host lost s':>12} {'exit seen ms':>13}")
+        for r in simulated:
+            print(f"{r['hosts']:>6} {r['procs']:>6} {r['controller_cpu_idle_pct']:>16.1f} {r['controller_messages_per_s_idle']:>12.0f} "
+                  f"{r['cpu_per_agent_heartbeat_us']:>12.0f} {r['procs_wrongly_hung']:>13} {r['host_lost_s']:>12.2f} "
+                  f"{r['proc_exit_seen_ms']:>13.1f}")
     print(f"JSON: {RESULTS / 'scale.json'}")
     return 0
 

@@ -503,10 +503,12 @@ class Controller:
         host = self.host_agents.on_heartbeat(header)
         if host is None:
             return
-        stopped = set(header.get("stopped", ()))
-        for rec in list(self.procs.values()):
-            if rec.host == host.name:
-                rec.os_stopped = rec.identity in stopped
+        stopped = frozenset(header.get("stopped", ()))
+        for identity in stopped ^ host.stopped:  # only what changed: not every proc per host heartbeat
+            rec = self.procs.get(route_id(identity))
+            if rec is not None and rec.host == host.name:
+                rec.os_stopped = identity in stopped
+        host.stopped = stopped
         self.liveness.on_host_heartbeats(host.name, header.get("heard", ()), header.get("changed", {}))
 
     def _on_spares(self, header: SparesHeader, body: Any, buffers: list[memoryview]) -> None:

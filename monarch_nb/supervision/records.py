@@ -240,6 +240,7 @@ class HostRecord:
         spares: proc mesh -> its warm spares here, ``[{"pid", "ready"}]``.
         address: a remote host's worker address (``tcp://HOST:PORT``); "" for this machine.
         detail: what an attached host said of itself (hostname, ip, iface, cores, gpus).
+        stopped: identities of its procs the OS reported stopped (SIGSTOP) in its last heartbeat.
     """
 
     name: str
@@ -252,3 +253,4 @@ class HostRecord:
     spares: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     address: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
+    stopped: frozenset[str] = frozenset()
