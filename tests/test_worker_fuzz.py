@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import monarch_nb
 from monarch_nb.job.base import read_announcement
+from monarch_nb.runtime.controller import Controller
 from monarch_nb.transport.keys import create_keys, load_trust
 from monarch_nb.transport.wire import MAGIC, Signer, encode
 
@@ -140,3 +141,15 @@ def test_the_fuzzed_worker_is_up_and_serves_its_controller(worker):
     # the fuzz test checks right after each send, before the worker may have read the frame: now,
     # after a whole attach, spawn and call through that worker, its last frames were read too
     assert not os.path.exists(worker["folder"] / "unpickled"), "a message body was unpickled"
+
+
+def test_a_worker_let_go_is_attached_again_at_once(worker):
+    """A detached host's agent takes a moment to shut down, and its worker answers an attach
+    meanwhile with "already serving this controller as host N": the attach waits for it to let
+    go (this failed at the second round: "serves this controller as host N, which is not serving now")."""
+    ctrl = Controller.get()
+    for attempt in range(3):
+        names = ctrl.attach_hosts([worker["address"]], worker["key_file"])
+        assert ctrl.hosts[names[0]].state == "healthy", (attempt, names)
+        ctrl.detach_hosts(names)
+        assert names[0] not in ctrl.hosts

@@ -224,18 +224,27 @@ class Hosts:
             name = known or f"host{self._next}"
             if known is None:
                 self._next += 1
+        deadline = time.monotonic() + config.start_timeout_s
         try:
-            self._attach_one(name, address, wanted)
-        except _AlreadyAttached as exc:  # the worker says so: it is that host, under another spelling
-            with self._lock:
-                if name not in self._links and self.records.get(name) is not None:
-                    del self.records[name]
-                other = self.records.get(exc.host)
-            if other is None or not other.ready.wait(config.start_timeout_s):
-                raise AttachError(f"worker {address} serves this controller as host {exc.host}, which is not "
-                                  "serving now") from None
-            names.append(exc.host)
-            return
+            while True:
+                try:
+                    self._attach_one(name, address, wanted)
+                    break
+                except _AlreadyAttached as exc:  # the worker says so: it is that host, under another spelling
+                    with self._lock:
+                        if name not in self._links and self.records.get(name) is not None:
+                            del self.records[name]
+                        other = self.records.get(exc.host)
+                    if other is None and time.monotonic() < deadline:
+                        # a host this controller let go of (detached: its mesh stopped) whose agent is
+                        # still shutting down: the worker lets go of it within a few seconds
+                        time.sleep(0.2)
+                        continue
+                    if other is None or not other.ready.wait(config.start_timeout_s):
+                        raise AttachError(f"worker {address} serves this controller as host {exc.host}, which is not "
+                                          "serving now") from None
+                    names.append(exc.host)
+                    return
         except BaseException:
             with self._lock:  # a host that never served leaves no record behind
                 if name not in self._links and self.records.get(name) is not None:
