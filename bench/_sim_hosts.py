@@ -4,8 +4,9 @@
 
 Each simulated host is a ZeroMQ DEALER named like a host agent (``MESH-host<h>``, incarnation this
 pid), connected to the controller at ADDRESS, its messages signed with the cluster key as a real
-agent's are: it says hello (``agent_hello``), then heartbeats every INTERVAL_S seconds, the hosts
-spread over the interval (``agent_heartbeat``: a load, no stopped procs, and its PER_HOST procs
+agent's are: it says hello (``agent_hello``), then heartbeats as an idle agent does, every
+IDLE_HEARTBEAT_EVERY x INTERVAL_S seconds (heartbeat_relay.IdleCadence), the hosts spread over
+that time (``agent_heartbeat``: a load, no stopped procs, and its PER_HOST procs
 ``MESH.<rank>`` as heard with their fields unchanged: what a real agent sends for idle procs,
 monarch_nb.runtime.heartbeat_relay). It reads and drops what the controller sends (its heartbeats
 to attached hosts). Commands on stdin, one a line: ``exit IDENTITY`` (report that proc exited by
@@ -29,6 +30,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
 from monarch_nb.transport.wire import Signer, encode  # noqa: E402
 
@@ -73,13 +75,14 @@ def main() -> int:
     print("ready", flush=True)
     silent: set[str] = set()
     start = time.monotonic()
-    due = {name: start + interval_s * h / hosts for h, name in enumerate(names)}  # spread over the interval
+    every_s = interval_s * IDLE_HEARTBEAT_EVERY  # an idle agent's cadence (nothing new to say)
+    due = {name: start + every_s * h / hosts for h, name in enumerate(names)}  # spread over it
     next_drain = start
     while True:
         now = time.monotonic()
         for name in names:
             if due[name] <= now:
-                due[name] += interval_s
+                due[name] += every_s
                 if name not in silent:
                     send(name, {"kind": Kind.AGENT_HEARTBEAT, "load": 0.1, "stopped": [], "heard": heard[name], "changed": {}})
         if now >= next_drain:  # what the controller sends to attached hosts: read and dropped

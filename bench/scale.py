@@ -29,8 +29,9 @@ controller as attached hosts are (judged for silence, sent the controller's hear
 as the controller's records of a mesh with the ``isolate`` policy. Real: the controller, its
 sockets, every message it receives and sends, its liveness and supervision code. Simulated: the
 procs themselves (no process, no socket), their calls and replies. For each size: controller
-CPU idle (% of a core, ``getrusage`` over ``--idle-s``), messages received per second, CPU per
-agent heartbeat, procs wrongly declared hung meanwhile (must be 0), one host silenced -> its
+CPU idle (% of a core, ``getrusage`` over ``--idle-s``), messages received per second (the
+agents' heartbeats, each every second interval as an idle agent's), CPU per agent heartbeat
+received (the controller's own heartbeats to the hosts included), procs wrongly declared hung meanwhile (must be 0), one host silenced -> its
 ``host_lost`` event, one proc's exit -> its ``proc_exited`` event.
 
 What this does not yet do (issue 25): calls and casts to simulated actors, and a peer in the same
@@ -216,7 +217,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float) -> dict:
             ctrl.hosts.pop(name, None)
             ctrl.host_agents._links.pop(name, None)
             ctrl.host_agents._reattaching.discard(name)
-    agent_beats = hosts * wall / config.heartbeat_interval_s
+    agent_beats = max(messages, 1)  # an idle agent's heartbeats (IdleCadence), all the controller received
     return {"hosts": hosts, "procs": hosts * per_host, "controller_cpu_idle_pct": 100 * cpu / wall,
             "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
             "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s}

@@ -8,7 +8,8 @@ its procs' files once per interval, on its own heartbeat tick, and puts them int
 (:class:`~.protocol.AgentHeartbeatHeader`): the identities heard since its last one (a new
 sequence number) and the fields of those whose fields changed. No message and no wake-up per
 proc heartbeat, anywhere: the controller's work per idle proc is one timestamp, its messages per
-interval one per host; the agent's is one file read per proc per interval.
+interval one per host (every second interval while the host has nothing new to say:
+:class:`IdleCadence`); the agent's is one file read per proc per interval.
 
 Detection stays where it was: a proc's exit is the agent's SIGCHLD, pushed at once; a proc silent
 for the hang timeout is hung, seen up to one interval later than with direct heartbeats (the
@@ -32,11 +33,11 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from .protocol import HeartbeatFields
 
-__all__ = ["HeartbeatRelay", "HeartbeatSender", "RelaySummary", "FOLDER_NAME"]
+__all__ = ["HeartbeatRelay", "HeartbeatSender", "IdleCadence", "RelaySummary", "FOLDER_NAME", "IDLE_HEARTBEAT_EVERY"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 FOLDER_NAME = "heartbeats"
 #: Longest beat file read (bytes); a heartbeat is a few hundred. Longer ones are dropped.
 MAX_BEAT_BYTES = 1 << 16
+#: An agent whose heartbeat would say nothing new (every proc heard, no field, load or stopped
+#: proc changed) sends it every this many intervals (:class:`IdleCadence`): an idle cluster's
+#: controller hears half the messages; a silent host is still lost within ``hang_timeout_s`` +
+#: this many intervals.
+IDLE_HEARTBEAT_EVERY = 2
 
 
 def beat_path(folder: str, pid: int) -> str:
@@ -62,6 +68,7 @@ class RelaySummary:
 
     heard: tuple[str, ...] = ()
     changed: dict[str, HeartbeatFields] = field(default_factory=dict)
+    complete: bool = True  # every proc with a rank was heard (False: one was silent, or has not beaten yet)
 
 
 @dataclass
@@ -105,13 +112,16 @@ class HeartbeatRelay:
         changed: dict[str, HeartbeatFields] = {}
         if not self.folder:
             return RelaySummary()
+        complete = True
         for pid, identity in self._children():
             beat = self._read(pid)
             if beat is None:
+                complete = False
                 continue
             seq, fields = beat
             seen = self._seen.setdefault(pid, _Seen())
             if seq == seen.seq:
+                complete = False
                 continue  # silent since the last summary
             seen.seq = seq
             if fields == seen.sent:
@@ -119,7 +129,7 @@ class HeartbeatRelay:
             else:
                 seen.sent = fields
                 changed[identity] = fields
-        return RelaySummary(tuple(heard), changed)
+        return RelaySummary(tuple(heard), changed, complete)
 
     def _read(self, pid: int) -> tuple[int, HeartbeatFields] | None:
         try:
@@ -149,6 +159,39 @@ class HeartbeatRelay:
         if self.folder:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = ""
+
+
+class IdleCadence:
+    """Which of the agent's heartbeat ticks send a heartbeat: every tick while it has something new
+    to say, every :data:`IDLE_HEARTBEAT_EVERY`-th tick while it has not.
+
+    Nothing new: every proc was heard (:attr:`RelaySummary.complete`), no proc's fields changed,
+    and the host's load and stopped procs are what the last heartbeat said. The procs heard in a
+    skipped tick are sent with the next heartbeat, so the controller takes them as heard when it
+    gets it: up to one interval later than they were, never earlier (a proc is never judged
+    silent for longer than it was; a hang is seen at most one interval later on an idle host).
+    A proc that goes silent makes the very next tick send.
+    """
+
+    def __init__(self, every: int = IDLE_HEARTBEAT_EVERY) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1 tick, not {every}")
+        self.every = every
+        self._held: dict[str, None] = {}  # heard in skipped ticks, in order
+        self._said: tuple[Any, ...] | None = None  # (load, stopped) as last sent
+        self._quiet = 0  # ticks skipped since the last heartbeat
+
+    def take(self, summary: RelaySummary, load: float, stopped: Iterable[str]) -> RelaySummary | None:
+        """This tick's summary in, the one to send out (with the procs heard in skipped ticks), or
+        None: skip this tick."""
+        state = (load, tuple(sorted(stopped)))
+        self._held.update(dict.fromkeys(summary.heard))
+        if summary.complete and not summary.changed and state == self._said and self._quiet + 1 < self.every:
+            self._quiet += 1
+            return None
+        self._quiet, self._said = 0, state
+        heard, self._held = tuple(self._held), {}
+        return RelaySummary(heard, summary.changed, summary.complete)
 
 
 class HeartbeatSender:

@@ -55,7 +55,7 @@ from ..transport.channel import Channel
 from ..transport.keys import load_trust
 from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
-from .heartbeat_relay import HeartbeatRelay
+from .heartbeat_relay import HeartbeatRelay, IdleCadence
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, WorkspaceHeader,
@@ -138,6 +138,7 @@ class HostAgent:
         self.workspace = WorkspaceCopy(os.path.join(self.folder, "workspace"))  # first on every proc's sys.path
         # procs' heartbeats, summarized in ours
         self.heartbeats = HeartbeatRelay(self.folder, self._ranked_children, enabled=env.relay_heartbeats)
+        self.cadence = IdleCadence()  # an idle host's heartbeat every second interval
         self.subreaper = become_subreaper()
         self.servers: dict[str, ForkServer] = {}  # server_key -> server (a dead one stays: no retry storm)
         self._unclaimed_exits: dict[int, int] = {}  # pid -> status of a forked proc reaped before its reply was read
@@ -580,10 +581,12 @@ class HostAgent:
                 stopped.append(child.identity)
             elif state == "R":
                 runnable += 1
-        procs = self.heartbeats.summary()
-        header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": round(runnable / self.cores, 2), "stopped": stopped,
-                                        "heard": list(procs.heard), "changed": procs.changed}
-        self.channel.send(CONTROLLER, header)
+        load = round(runnable / self.cores, 2)
+        procs = self.cadence.take(self.heartbeats.summary(), load, stopped)
+        if procs is not None:  # None: nothing new to say, and it was said one interval ago
+            header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": load, "stopped": stopped,
+                                            "heard": list(procs.heard), "changed": procs.changed}
+            self.channel.send(CONTROLLER, header)
         self._publish_seen()
 
     def _publish_seen(self) -> None:

@@ -7,7 +7,9 @@
   cluster has a key folder), sends a signed ``attach`` carrying the controller's session key
   sealed with the cluster key, and waits for the worker's host agent to say hello.
 
-Liveness: every host agent heartbeats; the controller heartbeats to remote agents. A host silent
+Liveness: every host agent heartbeats (every second interval while it has nothing new to say:
+:class:`~.heartbeat_relay.IdleCadence`); the controller heartbeats to remote agents, each every
+:data:`CONTROLLER_HEARTBEAT_EVERY` intervals, the hosts taking turns. A host silent
 for ``hang_timeout_s`` is *lost*: its procs fail with cause ``host_lost`` (calls to them raise
 ``SupervisionError``). Its agent, silent controller or not, kills its procs after
 ``controller_timeout_s`` (twice the hang timeout), so a cut-off rank stops; the controller tries
@@ -82,6 +84,14 @@ def _address_key(address: str) -> tuple[frozenset, str]:
     return ips or frozenset({host}), port
 
 
+#: The controller heartbeats to each remote agent every this many intervals (0.5 s by default),
+#: the hosts spread over the ticks: any message from the controller counts, and the agent (and
+#: its worker loop, :meth:`~.worker_loop.WorkerLoop._controller_heard`) takes a controller silent
+#: for ``hang_timeout_s`` (2 s) as gone; one message per host per tick was half of an idle
+#: controller's CPU at 1,024 hosts (docs/scale.md).
+CONTROLLER_HEARTBEAT_EVERY = 2
+
+
 def controller_timeout_s() -> float:
     """How long a remote agent waits for a silent controller before killing its procs (seconds)."""
     return max(2 * config.hang_timeout_s, 3.0)
@@ -135,6 +145,7 @@ class Hosts:
         self._endpoints: dict[tuple[str, bytes | None], str] = {}  # (controller IP, cluster key) -> tcp endpoint
         self._links: dict[str, dict] = {}  # remote host name -> {"address", "trust", "info", "endpoint"}
         self._reattaching: set[str] = set()
+        self._ticks = 0  # liveness ticks so far (the turn of each host's heartbeat)
         self._fenced: set[str] = set()  # procs of lost hosts already told to die
         self._lock = threading.RLock()
         self._next = 1
@@ -343,12 +354,14 @@ class Hosts:
     # -- liveness (IO thread) --------------------------------------------------------------------------
     def tick(self) -> None:
         now = time.monotonic()
-        for name in list(self._links):
+        self._ticks += 1
+        for turn, name in enumerate(list(self._links)):
             record = self.records.get(name)
             if record is None:
                 continue
             if record.state == ProcState.HEALTHY:
-                self.ctrl.channel.send(name, {"kind": Kind.CONTROLLER_HEARTBEAT})
+                if (turn + self._ticks) % CONTROLLER_HEARTBEAT_EVERY == 0:  # the hosts take turns
+                    self.ctrl.channel.send(name, {"kind": Kind.CONTROLLER_HEARTBEAT})
                 if now - record.last_heartbeat > config.hang_timeout_s:
                     self._lose(record, f"no heartbeat for {now - record.last_heartbeat:.2f} s")
         record = self.records.get(LOCAL)

@@ -23,6 +23,7 @@ from ..config import config
 from ..errors import SupervisionError
 from ..supervision.records import ProcRecord, ProcState
 from ..transport.wire import route_id
+from .heartbeat_relay import IDLE_HEARTBEAT_EVERY
 from .protocol import HeartbeatFields, HelloHeader, Kind, PeerHeader, ProcExitedHeader
 
 if TYPE_CHECKING:
@@ -186,8 +187,13 @@ class Liveness:
         """Report procs silent past their allowance hung; fence them (SIGKILL) if configured."""
         ctrl = self.ctrl
         now = time.monotonic()
-        silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat > 2 * config.heartbeat_interval_s}
-        for rec in list(ctrl.procs.values()):
+        cutoff = now - config.hang_timeout_s  # no allowance is shorter: only procs silent this long are judged
+        late = [rec for rec in ctrl.procs.values() if rec.last_heartbeat < cutoff]  # one comparison per proc
+        if not late:
+            return
+        host_silent_s = (IDLE_HEARTBEAT_EVERY + 1) * config.heartbeat_interval_s  # an idle agent beats every 2nd interval
+        silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat > host_silent_s}
+        for rec in late:
             if rec.host in silent_hosts:
                 continue  # its whole host is silent: a lost host (decided by the host check), not a hang
             if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):

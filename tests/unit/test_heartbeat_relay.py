@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from monarch_nb.runtime.heartbeat_relay import HeartbeatRelay, HeartbeatSender, beat_path
+import pytest
+
+from monarch_nb.runtime.heartbeat_relay import HeartbeatRelay, HeartbeatSender, IdleCadence, RelaySummary, beat_path
 
 
 def _relay(tmp_path, children: dict[int, str]) -> HeartbeatRelay:
@@ -59,3 +61,37 @@ def test_disabled_or_gone_the_relay_says_nothing_and_the_sender_drops_without_ra
     sender = HeartbeatSender(relay.folder)
     relay.close()
     assert sender.send({"busy": {}}) is False and sender.failures == 1
+
+
+def test_an_idle_host_beats_every_second_tick_and_sends_what_it_heard_meanwhile(tmp_path):
+    children = {os.getpid(): "pm0.0"}
+    relay, cadence = _relay(tmp_path, children), IdleCadence(every=2)
+    sender = HeartbeatSender(relay.folder)
+    sender.send({"busy": {}})
+    first = cadence.take(relay.summary(), 0.0, [])
+    assert first is not None and first.changed == {"pm0.0": {"busy": {}}}, "the first beat: sent"
+    sent = []
+    for _ in range(6):  # idle: heard every tick, nothing changed
+        sender.send({"busy": {}})
+        sent.append(cadence.take(relay.summary(), 0.0, []))
+    assert [s is not None for s in sent] == [False, True] * 3, "every second tick"
+    assert all(s.heard == ("pm0.0",) for s in sent if s is not None), "what a skipped tick heard goes out with the next"
+
+
+def test_anything_new_makes_the_very_next_tick_send(tmp_path):
+    cadence = IdleCadence(every=4)
+    quiet = RelaySummary(("pm0.0",), {}, True)
+    assert cadence.take(quiet, 0.0, []) is not None  # the first: nothing was said yet
+    assert cadence.take(quiet, 0.0, []) is None
+    silent = cadence.take(RelaySummary((), {}, False), 0.0, [])
+    assert silent is not None and silent.heard == ("pm0.0",), "a proc went silent: sent at once, with what was held"
+    assert cadence.take(quiet, 0.0, []) is None
+    assert cadence.take(quiet, 0.5, []) is not None, "the host's load changed"
+    assert cadence.take(quiet, 0.5, []) is None
+    assert cadence.take(quiet, 0.5, ["pm0.0"]) is not None, "a proc the OS reports stopped"
+    assert cadence.take(quiet, 0.5, ["pm0.0"]) is None
+    assert cadence.take(RelaySummary((), {"pm0.0": {"busy": {"a": ["f", 1.0]}}}, True), 0.5, ["pm0.0"]) is not None
+    skipped = [cadence.take(quiet, 0.5, ["pm0.0"]) for _ in range(4)]
+    assert [s is None for s in skipped] == [True, True, True, False], "every fourth tick when idle"
+    with pytest.raises(ValueError, match="at least 1"):
+        IdleCadence(every=0)
