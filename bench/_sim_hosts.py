@@ -1,6 +1,6 @@
 """bench/scale.py's simulated hosts: the host-agent protocol of many hosts, from one process.
 
-    python bench/_sim_hosts.py ADDRESS MESH HOSTS PER_HOST INTERVAL_S   (the cluster key, hex, on stdin's first line)
+    python bench/_sim_hosts.py ADDRESS MESH HOSTS PER_HOST INTERVAL_S [--answer]   (the cluster key, hex, on stdin's first line)
 
 Each simulated host is a ZeroMQ DEALER named like a host agent (``MESH-host<h>``, incarnation this
 pid), connected to the controller at ADDRESS, its messages signed with the cluster key as a real
@@ -13,8 +13,10 @@ to attached hosts). Commands on stdin, one a line: ``exit IDENTITY`` (report tha
 SIGKILL, as an agent does on SIGCHLD), ``silence HOST`` (that host stops heartbeating, as a
 frozen or cut-off host), ``quit``. It prints ``ready`` once every hello is sent.
 
-Simulated, not real: the procs (no process, no socket: they exist as the controller's records
-and in their agent's heartbeat), their calls and replies, spawning, CurveZMQ.
+With ``--answer`` the procs answer calls too (:class:`SimProcs`: a connection per proc, from one
+socket). Simulated, not real: the procs (no process; they exist as the controller's records, in
+their agent's heartbeat and, with ``--answer``, as connections that answer), their actors (a
+constructor returns None, every call 0), spawning, CurveZMQ.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
-from monarch_nb.transport.wire import Signer, encode  # noqa: E402
+from monarch_nb.transport.serialization import dumps  # noqa: E402
+from monarch_nb.transport.wire import BadMessage, Signer, decode, encode  # noqa: E402
+
+_NONE, _ZERO = dumps(None)[0], dumps(0)[0]  # what a constructor and the ping endpoint return
 
 
 def raise_fd_limit() -> None:
@@ -48,12 +53,75 @@ def host_name(mesh: str, h: int) -> str:
     return f"{mesh}-host{h}"
 
 
+class SimProcs:
+    """The simulated procs' end: one ROUTER connected to the controller once per proc, each
+    connection under the proc's routing identity (``MESH.<rank>``, ZMQ_ROUTING_ID) and known here
+    by the same name (ZMQ_CONNECT_ROUTING_ID), so the controller sees one peer per proc, as with
+    real procs, and this process reads them all from one socket.
+
+    A proc answers what a proc with a trivial actor would: a constructor (``spawn``) with None,
+    any call with 0 (``ping``), to the caller the call names; a broadcast (a call with no call id)
+    is counted, and once every proc got broadcast number N it prints ``cast N T`` (T: the
+    ``time.monotonic()`` of the last one, the same clock as the controller's on Linux).
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, signer: Signer, identities: list[str]) -> None:
+        self.signer, self.pid, self.seqs = signer, os.getpid(), dict.fromkeys(identities, 0)
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        for identity in identities:
+            self.sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+            self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, identity.encode())
+            self.sock.connect(address)
+        # the controller routes to a proc only once its connection is up: wait for every handshake
+        connected, deadline = 0, time.monotonic() + 120
+        while connected < len(identities):
+            if not monitor.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+                raise SystemExit(f"only {connected} of {len(identities)} simulated procs connected in 120 s")
+            monitor.recv_multipart()
+            connected += 1
+        self.sock.disable_monitor()
+        monitor.close()
+        self.casts: dict[int, int] = {}  # broadcast number -> procs that got it
+        self.cast_no = dict.fromkeys(identities, 0)  # proc -> broadcasts it got
+        self.total = len(identities)
+
+    def serve(self) -> None:
+        """Answer every message waiting (never blocks)."""
+        sock = self.sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(copy=False)
+            identity = bytes(frames[0]).decode()
+            try:
+                header, _, _ = decode(self.signer, frames[1:])
+            except BadMessage:
+                continue
+            if header.get("kind") not in (Kind.CALL, Kind.SPAWN):
+                continue  # proc_failed, rendezvous, stop, ...: nothing a trivial actor answers
+            if "cid" not in header:  # a broadcast: no reply wanted
+                self.cast_no[identity] += 1
+                n = self.cast_no[identity]
+                self.casts[n] = self.casts.get(n, 0) + 1
+                if self.casts[n] == self.total:
+                    print(f"cast {n} {time.monotonic()!r}", flush=True)
+                continue
+            self.seqs[identity] += 1
+            reply = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": True,
+                     "src": f"{identity}#{self.pid}", "dst": header["reply_to"], "seq": self.seqs[identity]}
+            body = _NONE if header["kind"] == Kind.SPAWN else _ZERO
+            sock.send_multipart([frames[0], *encode(self.signer, reply, body)])
+
+
 def main() -> int:
     address, mesh, hosts, per_host, interval_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    answer = "--answer" in sys.argv[6:]  # simulated procs that answer calls (SimProcs)
     signer = Signer(bytes.fromhex(sys.stdin.readline().strip()))
     raise_fd_limit()
     ctx = zmq.Context()
-    ctx.set(zmq.MAX_SOCKETS, hosts + 64)  # ZeroMQ's default is 1,023 sockets a context
+    ctx.set(zmq.MAX_SOCKETS, hosts + 64)  # ZeroMQ's default is 1,023 sockets a context (the procs share one)
     pid = os.getpid()
     names = [host_name(mesh, h) for h in range(hosts)]
     socks, seqs = {}, {}
@@ -64,6 +132,7 @@ def main() -> int:
         sock.connect(address)
         socks[name], seqs[name] = sock, 0
     heard = {name: [f"{mesh}.{h * per_host + g}" for g in range(per_host)] for h, name in enumerate(names)}
+    procs = SimProcs(ctx, address, signer, [identity for name in names for identity in heard[name]]) if answer else None
 
     def send(name: str, header: dict) -> None:
         seqs[name] += 1
@@ -72,6 +141,10 @@ def main() -> int:
 
     for name in names:
         send(name, {"kind": Kind.AGENT_HELLO, "pid": pid, "host": name})
+    poller = zmq.Poller()
+    poller.register(sys.stdin.fileno(), zmq.POLLIN)
+    if procs is not None:
+        poller.register(procs.sock, zmq.POLLIN)
     print("ready", flush=True)
     silent: set[str] = set()
     start = time.monotonic()
@@ -91,7 +164,11 @@ def main() -> int:
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     sock.recv_multipart()
         wait = max(0.0, min(due.values()) - time.monotonic())
-        readable, _, _ = select.select([sys.stdin], [], [], min(wait, 0.05))
+        if procs is not None:
+            procs.serve()
+            readable = [fd for fd, _ in poller.poll(1000 * min(wait, 0.05)) if fd == sys.stdin.fileno()]
+        else:
+            readable, _, _ = select.select([sys.stdin], [], [], min(wait, 0.05))
         if not readable:
             continue
         line = sys.stdin.readline()
@@ -105,6 +182,8 @@ def main() -> int:
             send(names[int(arg.rsplit(".", 1)[1]) // per_host], exited)
     for sock in socks.values():
         sock.close()
+    if procs is not None:
+        procs.sock.close()
     ctx.term()
     return 0
 

@@ -26,17 +26,22 @@ Then, in this process, the real controller against **simulated hosts** (``--simu
 process speaking the host-agent protocol for every host (hello, heartbeats carrying their procs
 as heard, a proc's exit), signed as real agents' messages are; the hosts are registered with the
 controller as attached hosts are (judged for silence, sent the controller's heartbeats), the procs
-as the controller's records of a mesh with the ``isolate`` policy. Real: the controller, its
-sockets, every message it receives and sends, its liveness and supervision code. Simulated: the
-procs themselves (no process, no socket), their calls and replies. For each size: controller
-CPU idle (% of a core, ``getrusage`` over ``--idle-s``), messages received per second (the
-agents' heartbeats, each every second interval as an idle agent's), CPU per agent heartbeat
-received (the controller's own heartbeats to the hosts included), procs wrongly declared hung meanwhile (must be 0), one host silenced -> its
-``host_lost`` event, one proc's exit -> its ``proc_exited`` event.
+as the controller's records of a mesh with the ``isolate`` policy, and each proc is a connection
+of its own to the controller that answers a trivial actor's constructor and calls
+(``_sim_hosts.SimProcs``: one socket in the simulator, one peer per proc for the controller). Real:
+the controller, its sockets, every message it receives and sends, its liveness, supervision and
+messaging code. Simulated: the procs themselves (no process; the one simulator process answers
+for all of them, on the same 2 cores) and their actors. For each size: controller CPU idle (% of
+a core, ``getrusage`` over ``--idle-s``), messages received per second (the agents' heartbeats,
+each every second interval as an idle agent's), CPU per agent heartbeat received (the
+controller's own heartbeats to the hosts included), procs wrongly declared hung meanwhile (must
+be 0); spawn of the trivial actor to its first call-to-all's answer, call to all p50/p95 and the
+controller's CPU per call to all, cast (``broadcast``: from the call to the moment the simulator
+holds it for every proc) p50/p95 and the controller's CPU per cast (both less its idle share);
+one host silenced -> its ``host_lost`` event, one proc's exit -> its ``proc_exited`` event.
 
-What this does not yet do (issue 25): calls and casts to simulated actors, and a peer in the same
-run (torchmonarch's figures on real hosts are Monarch PR #4875's; ipyparallel's broadcast is in
-bench/actor_latency.py). Prints tables and writes bench/results/scale.json.
+What this does not do: a peer in the same run (torchmonarch's figures on real hosts are Monarch
+PR #4875's; ipyparallel's broadcast is in bench/actor_latency.py). Prints tables and writes bench/results/scale.json.
 """
 
 from __future__ import annotations
@@ -141,10 +146,42 @@ def _run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
         return json.loads(Path(out.name).read_text())
 
 
-def measure_simulated(hosts: int, per_host: int, idle_s: float) -> dict:
+def _simulated_calls(procs, sim: subprocess.Popen, calls: int, idle_cpu: float) -> dict:
+    """Spawn a trivial actor on the simulated procs, then ``calls`` calls to all and as many
+    broadcasts (casts), end to end, with the controller's CPU for each (its CPU over the
+    operation, less its idle share ``idle_cpu``, a fraction of a core, over that time)."""
+    t0 = time.perf_counter()
+    actors = procs.spawn("ping", Ping)
+    actors.ping.call().get(timeout=600)
+    first_s = time.perf_counter() - t0
+    rtts, cpu0, w0 = [], _cpu_s(), time.perf_counter()
+    for _ in range(calls):
+        c0 = time.perf_counter()
+        actors.ping.call().get(timeout=120)
+        rtts.append(time.perf_counter() - c0)
+    call_cpu = (_cpu_s() - cpu0 - idle_cpu * (time.perf_counter() - w0)) / calls
+    casts = []
+    assert sim.stdout is not None
+    cpu0, w0 = _cpu_s(), time.perf_counter()
+    for n in range(1, calls + 1):
+        c0 = time.monotonic()
+        actors.ping.broadcast()
+        line = sim.stdout.readline().split()  # "cast N T": every simulated proc got broadcast N at T
+        if line[:2] != ["cast", str(n)]:
+            raise RuntimeError(f"simulated hosts said {line!r}, not cast {n}")
+        casts.append(float(line[2]) - c0)
+    cast_cpu = (_cpu_s() - cpu0 - idle_cpu * (time.perf_counter() - w0)) / calls
+    return {"spawn_to_first_reply_s": first_s, "call_all_p50_ms": 1e3 * statistics.median(rtts),
+            "call_all_p95_ms": 1e3 * _pct(rtts, 0.95), "controller_cpu_per_call_all_ms": 1e3 * call_cpu,
+            "cast_p50_ms": 1e3 * statistics.median(casts), "cast_p95_ms": 1e3 * _pct(casts, 0.95),
+            "controller_cpu_per_cast_ms": 1e3 * cast_cpu}
+
+
+def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20) -> dict:
     """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py)."""
     from _sim_hosts import host_name, raise_fd_limit
 
+    from monarch_nb.actor.mesh import ProcMesh
     from monarch_nb.actor.shape import Extent
     from monarch_nb.supervision.policy import SupervisionPolicy
     from monarch_nb.supervision.records import HostRecord, ProcMeshRecord, ProcRecord, ProcState
@@ -157,7 +194,8 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float) -> dict:
         ctrl.hosts[name] = HostRecord(name, address="tcp://127.0.0.1:9")
         ctrl.host_agents._links[name] = {"address": "tcp://127.0.0.1:9", "trust": None}
     sim = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_sim_hosts.py"), ctrl.address, mesh, str(hosts),
-                            str(per_host), repr(config.heartbeat_interval_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            str(per_host), repr(config.heartbeat_interval_s), "--answer"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     identities: list[str] = []
     try:
         assert sim.stdin is not None and sim.stdout is not None
@@ -188,6 +226,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float) -> dict:
         cpu, wall = _cpu_s() - cpu0, time.perf_counter() - w0
         messages = sum(ctrl.channel.received.values()) - received0
         hung = [e for e in ctrl.events.events(since_seq=since) if e.kind == "proc_hung" and e.mesh == mesh]
+        messaging = _simulated_calls(ProcMesh(mesh, Extent({"hosts": hosts, "gpus": per_host})), sim, calls, cpu / wall)
         since = ctrl.events.next_seq
         t0 = time.perf_counter()
         sim.stdin.write(f"exit {identities[0]}\n")
@@ -220,7 +259,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float) -> dict:
     agent_beats = max(messages, 1)  # an idle agent's heartbeats (IdleCadence), all the controller received
     return {"hosts": hosts, "procs": hosts * per_host, "controller_cpu_idle_pct": 100 * cpu / wall,
             "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
-            "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s}
+            "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s, **messaging}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['hosts']:>6} {r['procs']:>6} {r['controller_cpu_idle_pct']:>16.1f} {r['controller_messages_per_s_idle']:>12.0f} "
                   f"{r['cpu_per_agent_heartbeat_us']:>12.0f} {r['procs_wrongly_hung']:>13} {r['host_lost_s']:>12.2f} "
                   f"{r['proc_exit_seen_ms']:>13.1f}")
+        print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'procs':>6} "
+              f"{'spawn->reply s':>15} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call-all ms':>21} {'cast p50 ms':>12} "
+              f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17}")
+        for r in simulated:
+            print(f"{r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} {r['call_all_p95_ms']:>8.2f} "
+                  f"{r['controller_cpu_per_call_all_ms']:>21.2f} {r['cast_p50_ms']:>12.2f} {r['cast_p95_ms']:>8.2f} "
+                  f"{r['controller_cpu_per_cast_ms']:>17.2f}")
     print(f"JSON: {RESULTS / 'scale.json'}")
     return 0
 
