@@ -88,6 +88,8 @@ def test_a_proc_frozen_during_a_heavy_import_is_found_hung_in_the_hang_timeout(p
     event = ctrl.events.wait_for(lambda e: e.kind == "proc_hung" and e.rank == 2 and e.mesh == procs4.name,
                                  hang_deadline_s(), since)
     assert event is not None, f"a SIGSTOPped proc was not found hung within {hang_deadline_s():.1f} s"
+    assert "stopped (SIGSTOP)" in event.detail and "its host agent heard" in event.detail, \
+        f"the hang says it was the proc, not its agent: {event.detail}"
     with pytest.raises(monarch_nb.SupervisionError, match="rank 2 failed"):
         call.get(timeout=10)
 

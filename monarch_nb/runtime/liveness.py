@@ -196,15 +196,24 @@ class Liveness:
         for rec in late:
             if rec.host in silent_hosts:
                 continue  # its whole host is silent: a lost host (decided by the host check), not a hang
-            if rec.serving and now - rec.last_heartbeat > self.allowance_s(rec):
+            allowed = self.allowance_s(rec) if rec.serving else 0.0
+            if rec.serving and now - rec.last_heartbeat > allowed:
                 rec.move(ProcState.HUNG, "no heartbeat")
-                silent = now - rec.last_heartbeat
-                ctrl.record_event("proc_hung", rec, detail=f"no heartbeat for {silent:.2f} s", cause="heartbeat")
-                self.fail_proc(rec, "hung", f"no heartbeat for {silent:.2f} s", None)
+                detail = self._silence_detail(rec, now - rec.last_heartbeat, allowed, now)
+                ctrl.record_event("proc_hung", rec, detail=detail, cause="heartbeat")
+                self.fail_proc(rec, "hung", detail, None)
                 if config.fence_hung:
                     rec.fenced = True
                     ctrl.signal_proc(rec.identity, "SIGKILL")
                     ctrl.record_event("proc_fenced", rec, detail="SIGKILL after hang", cause="fencing")
+
+    def _silence_detail(self, rec: ProcRecord, silent_s: float, allowed_s: float, now: float) -> str:
+        """Why ``rec`` is hung, with what tells a frozen proc from a late report: its allowance and
+        when its host agent (which relays its heartbeats) was last heard."""
+        host = self.ctrl.hosts.get(rec.host)
+        why = "stopped (SIGSTOP)" if rec.os_stopped else f"host load {host.load:.2f}" if host is not None else "no host load"
+        heard = f"; its host agent heard {now - host.last_heartbeat:.2f} s ago" if host is not None and host.last_heartbeat else ""
+        return f"no heartbeat for {silent_s:.2f} s (allowed {allowed_s:.2f} s: {why}{heard})"
 
     def host_lost(self, host: str, why: str) -> None:
         """Every proc of ``host`` failed with cause ``host_lost`` (its agent is silent or gone)."""
