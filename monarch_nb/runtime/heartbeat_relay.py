@@ -33,7 +33,7 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from .protocol import HeartbeatFields
 
@@ -178,7 +178,7 @@ class IdleCadence:
             raise ValueError(f"every must be at least 1 tick, not {every}")
         self.every = every
         self._held: dict[str, None] = {}  # heard in skipped ticks, in order
-        self._said: tuple[Any, ...] | None = None  # (load, stopped) as last sent
+        self._said: tuple[float, tuple[str, ...]] | None = None  # (load, stopped procs) as last sent
         self._quiet = 0  # ticks skipped since the last heartbeat
 
     def take(self, summary: RelaySummary, load: float, stopped: Iterable[str]) -> RelaySummary | None:

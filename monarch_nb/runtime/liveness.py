@@ -194,10 +194,10 @@ class Liveness:
         host_silent_s = (IDLE_HEARTBEAT_EVERY + 1) * config.heartbeat_interval_s  # an idle agent beats every 2nd interval
         silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat > host_silent_s}
         for rec in late:
-            if rec.host in silent_hosts:
-                continue  # its whole host is silent: a lost host (decided by the host check), not a hang
-            allowed = self.allowance_s(rec) if rec.serving else 0.0
-            if rec.serving and now - rec.last_heartbeat > allowed:
+            if not rec.serving or rec.host in silent_hosts:
+                continue  # not serving, or its whole host is silent: a lost host (the host check's), not a hang
+            allowed = self.allowance_s(rec)
+            if now - rec.last_heartbeat > allowed:
                 rec.move(ProcState.HUNG, "no heartbeat")
                 detail = self._silence_detail(rec, now - rec.last_heartbeat, allowed, now)
                 ctrl.record_event("proc_hung", rec, detail=detail, cause="heartbeat")
