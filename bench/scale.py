@@ -53,6 +53,7 @@ import resource
 import signal
 import statistics
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -177,6 +178,34 @@ def _simulated_calls(procs, sim: subprocess.Popen, calls: int, idle_cpu: float) 
             "controller_cpu_per_cast_ms": 1e3 * cast_cpu}
 
 
+def _ms_pair(row: dict) -> str:
+    wall, cpu = row.get("host_lost_handling_ms"), row.get("host_lost_handling_cpu_ms")
+    return "-" if wall is None or cpu is None else f"{wall:.1f} ({cpu:.1f})"
+
+
+class _HostLostTimer:
+    """Times the controller's handling of the next lost host (``Liveness.host_lost``: its procs
+    failed, their peers told, the supervisor called), on the thread that handles it."""
+
+    def __init__(self, liveness) -> None:
+        self._liveness, self._original, self._done = liveness, liveness.host_lost, threading.Event()
+        self.figures: tuple[float, float] | None = None
+        liveness.host_lost = self._timed
+
+    def _timed(self, host: str, why: str) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self._original(host, why)
+        finally:
+            self.figures = (1e3 * (time.perf_counter() - t0), 1e3 * (time.thread_time() - c0))
+            self._liveness.host_lost = self._original
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> tuple[float, float] | None:
+        """``(wall ms, CPU ms)`` of the handling, or None if no host was lost in time."""
+        return self.figures if self._done.wait(timeout_s) else None
+
+
 def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20) -> dict:
     """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py)."""
     from _sim_hosts import host_name, raise_fd_limit
@@ -235,12 +264,14 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20)
         kill_s = time.perf_counter() - t0 if seen is not None else float("nan")
         victim = names[-1]
         ctrl.host_agents._reattaching.add(victim)  # lost for good: no re-attach to try
+        handling = _HostLostTimer(ctrl.liveness)
         since = ctrl.events.next_seq
         t0 = time.perf_counter()
         sim.stdin.write(f"silence {victim}\n")
         sim.stdin.flush()
         lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == victim, 30, since)
         lost_s = time.perf_counter() - t0 if lost is not None else float("nan")
+        handled = handling.wait(30)
     finally:
         try:
             if sim.stdin is not None:
@@ -259,7 +290,9 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20)
     agent_beats = max(messages, 1)  # an idle agent's heartbeats (IdleCadence), all the controller received
     return {"hosts": hosts, "procs": hosts * per_host, "controller_cpu_idle_pct": 100 * cpu / wall,
             "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
-            "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s, **messaging}
+            "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s,
+            "host_lost_handling_ms": handled[0] if handled else None, "host_lost_handling_cpu_ms": handled[1] if handled else None,
+            **messaging}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
         print(f"\nsimulated hosts (8 procs each; heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'ctrl CPU idle %':>16} "
-              f"{'ctrl msgs/s':>12} {'us/agent hb':>12} {'wrongly hung':>13} {'host lost s':>12} {'exit seen ms':>13}")
+              f"{'ctrl msgs/s':>12} {'us/agent hb':>12} {'wrongly hung':>13} {'host lost s':>12} {'exit seen ms':>13} "
+              f"{'lost host handled ms (CPU)':>27}")
         for r in simulated:
             print(f"{r['hosts']:>6} {r['procs']:>6} {r['controller_cpu_idle_pct']:>16.1f} {r['controller_messages_per_s_idle']:>12.0f} "
                   f"{r['cpu_per_agent_heartbeat_us']:>12.0f} {r['procs_wrongly_hung']:>13} {r['host_lost_s']:>12.2f} "
-                  f"{r['proc_exit_seen_ms']:>13.1f}")
+                  f"{r['proc_exit_seen_ms']:>13.1f} {_ms_pair(r):>27}")
         print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'procs':>6} "
               f"{'spawn->reply s':>15} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call-all ms':>21} {'cast p50 ms':>12} "
               f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17}")

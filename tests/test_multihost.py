@@ -40,6 +40,15 @@ class Where(Actor):
         return self.value
 
     @endpoint
+    def peers_failed(self) -> list[tuple[int, str]]:
+        """``(rank, cause)`` of each failure of this proc's mesh that the controller told it of."""
+        from monarch_nb.runtime.proc import current
+
+        proc = current()
+        assert proc is not None
+        return sorted((f.rank, f.cause) for f in proc.peer_failures)
+
+    @endpoint
     def all_reduce(self) -> float:
         import torch
         import torch.distributed as dist
@@ -114,6 +123,9 @@ def test_a_killed_host_agent_fails_its_procs_only_and_the_host_comes_back(cluste
     with pytest.raises(SupervisionError, match=r"rank 2 failed \(host_lost\)"):
         actors.slice(hosts=1, gpus=0).add.call_one(1).get(timeout=10)
     assert actors.slice(hosts=0).add.call(1).get(timeout=10).values() == [1, 1]  # the other host goes on
+    # each survivor was told of both of the lost host's procs (in one message, Liveness.fail_procs)
+    survivors = actors.slice(hosts=0).peers_failed.call().get(timeout=10).values()
+    assert [[f for f in seen if f[0] in (2, 3)] for seen in survivors] == [[(2, "host_lost"), (3, "host_lost")]] * 2
     wait_until(lambda: not any(pid_alive(p) for p in old), 10, message="the lost host's procs gone")
     _wait_host(lost_host, ProcState.HEALTHY, 30)  # attached again: the worker loop outlived its agent
     for rank in (2, 3):

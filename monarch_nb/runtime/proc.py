@@ -27,7 +27,6 @@ The proc dies with its host agent (PR_SET_PDEATHSIG). Told to stop, it stops its
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -53,8 +52,8 @@ from .actors import ActorRunner
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
 from .heartbeat_relay import HeartbeatSender
-from .protocol import (CONTROLLER, CallHeader, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
-                       LogLevelHeader, PeerHeader, ProcEnv, RendezvousHeader)
+from .protocol import (CONTROLLER, CallHeader, FailedProc, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
+                       LogLevelHeader, PeerHeader, ProcEnv, ProcsFailedHeader, RendezvousHeader)
 
 __all__ = ["Proc", "CallHook", "Plugin", "PeerFailure", "current", "main"]
 
@@ -204,20 +203,19 @@ class Proc:
             return
         handler(header, body, buffers)
 
-    def _on_proc_failed(self, header: PeerHeader, body: Any, buffers: list[memoryview]) -> None:
-        info = json.loads(bytes(body)) if body else {}
-        error = SupervisionError(info.get("rank", -1), info.get("cause", "failed"), info.get("detail", ""), info.get("signal"))
-        self.messenger.proc_failed(header["proc"], error)
-        failure = PeerFailure(header["proc"], int(info.get("rank", -1)), str(info.get("cause", "failed")),
-                              str(info.get("detail", "")), info.get("signal"), time.monotonic())
-        if failure.identity.rsplit(".", 1)[0] != self.mesh_name:
-            return  # a proc of another mesh: not a peer of this one's process groups
-        self.peer_failures.append(failure)
-        for hook in self._peer_failure_hooks:
-            try:
-                hook(failure)
-            except Exception:
-                log.exception("a peer-failure hook failed")
+    def _on_proc_failed(self, header: ProcsFailedHeader, body: Any, buffers: list[memoryview]) -> None:
+        now = time.monotonic()
+        for failed in FailedProc.decode(body):
+            failure = PeerFailure(failed.identity, failed.rank, failed.cause, failed.detail, failed.signal, now)
+            self.messenger.proc_failed(failure.identity, SupervisionError(failure.rank, failure.cause, failure.detail, failure.signal))
+            if failure.identity.rsplit(".", 1)[0] != self.mesh_name:
+                continue  # a proc of another mesh: not a peer of this one's process groups
+            self.peer_failures.append(failure)
+            for hook in self._peer_failure_hooks:
+                try:
+                    hook(failure)
+                except Exception:
+                    log.exception("a peer-failure hook failed")
 
     def _on_proc_recovered(self, header: PeerHeader, body: Any, buffers: list[memoryview]) -> None:
         self.messenger.proc_recovered(header["proc"])

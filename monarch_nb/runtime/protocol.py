@@ -54,7 +54,7 @@ class Kind(str, Enum):
     # controller -> proc: control
     STOP = "stop"  # exit cleanly (actors' __cleanup__ run)
     INTERRUPT = "interrupt"  # interrupt the endpoint an actor runs (InterruptHeader)
-    PROC_FAILED = "proc_failed"  # a peer proc failed: fail calls to it (PeerHeader + JSON body)
+    PROC_FAILED = "proc_failed"  # peer procs failed (one, or a lost host's): fail calls to them (ProcsFailedHeader)
     PROC_RECOVERED = "proc_recovered"  # a peer proc serves again (PeerHeader)
     RENDEZVOUS = "rendezvous"  # the mesh's membership changed: a new rendezvous round (RendezvousHeader)
     FAULT = "fault"  # an in-proc fault to apply (FaultHeader); handled by the faults plugin
@@ -148,9 +148,54 @@ class InterruptHeader(Header):
 
 
 class PeerHeader(Header):
-    """PROC_FAILED (a JSON body: rank, cause, detail, signal) and PROC_RECOVERED."""
+    """PROC_RECOVERED: a peer proc serves again."""
 
     proc: str  # the peer's identity
+
+
+class ProcsFailedHeader(Header):
+    """PROC_FAILED: procs that failed together (one proc, or every proc of a lost host: one
+    message per peer, not one per failed proc); the body is :meth:`FailedProc.encode`'s,
+    ``count`` the procs in it."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class FailedProc:
+    """One failed proc as PROC_FAILED tells it to its peers.
+
+    Attributes:
+        identity: its routing identity. rank: its rank. cause: ``SIGKILL``, ``hung``,
+        ``host_lost``, ``exit 3``, ... detail: a sentence. signal: the signal's name, or None.
+    """
+
+    identity: str
+    rank: int
+    cause: str
+    detail: str
+    signal: str | None
+
+    @staticmethod
+    def encode(failed: "list[FailedProc]") -> bytes:
+        """A PROC_FAILED body: a JSON list of ``[identity, rank, cause, detail, signal]``."""
+        return json.dumps([[f.identity, f.rank, f.cause, f.detail, f.signal] for f in failed]).encode()
+
+    @staticmethod
+    def decode(body: Any) -> "list[FailedProc]":
+        """The failed procs of a PROC_FAILED body (bytes or a memoryview).
+
+        Raises:
+            ValueError: the body is not such a list (a proc's IO loop logs it and goes on).
+        """
+        try:
+            rows = json.loads(bytes(body))
+            if not isinstance(rows, list):
+                raise TypeError(f"a JSON {type(rows).__name__}")
+            return [FailedProc(str(identity), int(rank), str(cause), str(detail), None if signal is None else str(signal))
+                    for identity, rank, cause, detail, signal in rows]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"a proc_failed message whose body is not a list of failed procs: {exc}") from exc
 
 
 class FaultHeader(Header):
