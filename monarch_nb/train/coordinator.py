@@ -6,8 +6,9 @@ so a rank starts its next window the moment it finishes one, without waiting for
 Each reply carries one compact record per step (loss, batch accuracy, a digest of the sample ids
 the rank used, step time). A step is *committed* when every member reported it: it goes into the
 :class:`~monarch_nb.train.data.SampleLedger` and out to subscribers as a metric. Windows last
-about ``window_s`` seconds (``window_steps`` fixes their length; ``window_steps=1, pipeline=1`` is
-the per-step loop: one round trip per step). They end early where the controller must act at a
+about ``window_s`` seconds, at most :data:`JOIN_WINDOW_S` while a restarted rank is on its way
+back (``window_steps`` fixes their length; ``window_steps=1, pipeline=1`` is the per-step loop:
+one round trip per step). They end early where the controller must act at a
 precise step: a planned fault, an evaluation, a disk checkpoint, the last step.
 
 The controller steps in only at a boundary (no window in flight), for: a failure (a member died,
@@ -48,6 +49,10 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _MAX_WINDOW = 4096
+#: the longest a window lasts (seconds) while a restarted rank is on its way back: it joins at a
+#: boundary, after the windows in flight, so short windows then keep its wait at most
+#: ``pipeline x JOIN_WINDOW_S``; in the steady state windows last ``window_s`` (default 0.5 s)
+JOIN_WINDOW_S = 0.1
 _CHECKPOINT_TRIES = 3  # failed disk checkpoints in a row that end a run
 
 
@@ -131,7 +136,8 @@ class Coordinator(Launch, Boundaries):
             return o.window_steps
         if self.step_s is None:
             return 1
-        return max(1, min(_MAX_WINDOW, int(o.window_s / max(self.step_s, 1e-6))))
+        seconds = min(o.window_s, JOIN_WINDOW_S) if self.m.restarting or self.m.ready else o.window_s
+        return max(1, min(_MAX_WINDOW, int(seconds / max(self.step_s, 1e-6))))
 
     def _window_end(self, start: int) -> int:
         o = self.o
