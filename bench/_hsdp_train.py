@@ -6,8 +6,9 @@ The same workload (model, data, sample order, global batch) as ``monarch_nb.trai
 ``("replicate", "shard")`` of shape ``(world/G, G)``), ``fully_shard`` on the whole model, gloo.
 ``--group-size`` equal to the world is plain FSDP2 (a 1-D mesh over every rank).
 Each rank runs its contiguous part of every global batch (``SampleOrder.shard``), as a run does.
-Rank 0 writes a JSON summary to ``--out``; with ``--shards-dir`` every rank saves its local
-parameter shards (``{name: tensor}``) to ``rank<R>.pt`` there, for a bit-for-bit comparison.
+Rank 0 writes a JSON summary to ``--out`` (``cpu_s``: each rank's CPU time, seconds, after each
+step); with ``--shards-dir`` every rank saves its local parameter shards (``{name: tensor}``) to
+``rank<R>.pt`` there, for a bit-for-bit comparison.
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ def main() -> None:
     opt = workload.build_optimizer([p for p in model.parameters() if p.requires_grad], args.lr or workload.default_lr)
     ranks = list(range(world))
     dist.barrier()
-    step_s, times = [], []
+    step_s, times, cpu = [], [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         train_step(workload, model, opt, order.shard(step, ranks, rank))
         step_s.append(time.perf_counter() - t0)
         times.append(time.time())
+        cpu.append(time.process_time())
     if args.evaluate:
         model.eval()
         with torch.no_grad():
@@ -92,10 +94,13 @@ def main() -> None:
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     peaks = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(peaks, peak)
+    cpus = [torch.zeros(len(cpu), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(cpus, torch.tensor(cpu, dtype=torch.float64))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"steps_run": len(step_s), "global_batch": batch, "step_ms": sorted(s * 1e3 for s in step_s),
-                       "times": times, "peak_rss_bytes": [int(p.item()) for p in peaks]}, f)
+                       "times": times, "peak_rss_bytes": [int(p.item()) for p in peaks],
+                       "cpu_s": [c.tolist() for c in cpus]}, f)
     dist.destroy_process_group()
 
 

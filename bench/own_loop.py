@@ -93,7 +93,7 @@ def _steady(times: list[float], samples: list[int]) -> dict:
     whole windows only (from anywhere inside a window it would count steps done before its start:
     up to a window too many, ~5 % of 150 steps of 8-step windows). ``step_ms_median`` is the
     median of the times between steps where each step has its own (None for windowed times);
-    ``step_ms_mean`` is the span over its steps.
+    ``step_ms_mean`` is the span over its steps; ``span`` its first and last step's indices.
 
     Raises:
         ValueError: the last half holds no whole window after its first.
@@ -103,11 +103,12 @@ def _steady(times: list[float], samples: list[int]) -> dict:
         start += 1  # inside a window: move to its last step
     if start + 1 >= len(times):
         raise ValueError(f"the last half of {len(times)} steps holds no whole window: run more steps")
+    span = [start, len(times) - 1]  # the span's first and last step (indices into the run's steps)
     times, samples = times[start:], samples[start:]
     wall = times[-1] - times[0]
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"throughput_samples_per_s": sum(samples[1:]) / wall, "step_ms_mean": wall / (len(times) - 1) * 1e3,
-            "step_ms_median": statistics.median(gaps) * 1e3 if all(gaps) else None}
+            "step_ms_median": statistics.median(gaps) * 1e3 if all(gaps) else None, "span": span}
 
 
 def run_ddp(kind: str, path: str, steps: int, procs: int) -> dict:

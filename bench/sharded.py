@@ -11,10 +11,14 @@ this one run:
 1. steady state over the last half of each run's steps (samples/s), interleaved (the order
    reversed every other repeat), ``--repeats`` each; the ratio is the median of the repeats'
    ft / native HSDP ratios (each pair ran back to back, so a drift of the shared machine's speed
-   cancels), the ratio of the medians beside it: ``mt.fit(workload, group_size=2, parallelism="fsdp")`` (2 replicas x 2 shards,
-   fault tolerant; from the controller's commit times of the steps); torch's native HSDP
+   cancels), the ratio of the medians beside it: ``mt.fit(workload, group_size=2,
+   parallelism="fsdp")`` (2 replicas x 2 shards, fault tolerant; from the controller's commit times of the steps); torch's native HSDP
    (``fully_shard`` on a ``(replicate=2, shard=2)`` mesh under ``torchrun``, bench/_hsdp_train.py;
    from rank 0's times after each step); plain FSDP2 over the 4 ranks under ``torchrun``;
+   and the CPU time per step over the same steps (user + system, of every process of the run:
+   ft's controller, host agent, workers, spares and fork server from /proc at the commits; each
+   native rank's ``time.process_time()``): the machine's other tenants move wall time much more
+   than CPU time;
 2. memory per rank: peak RSS of every worker (``ru_maxrss``), both sides, each job ending with
    the test set's loss (a run's final evaluation);
 3. ``--kills`` SIGKILLs of a shard holder during one long sharded run, one at a time (each once
@@ -62,13 +66,48 @@ def run_ft(workload: str, steps: int, seed: int) -> dict:
     import monarch_nb.train as mt
 
     commits: dict[int, float] = {}
+    cpu_at: dict[int, float] = {}  # step -> CPU seconds of this process and its descendants at its commit
+
+    def on_metric(m: dict) -> None:
+        if m.get("type") == "step":
+            commits[m["step"]] = m["time_s"]
+            cpu_at[m["step"]] = cpu_at.get(m["step"] - 1, 0.0) if m["time_s"] == commits.get(m["step"] - 1) else _tree_cpu_s()
+
     run = mt.start(bench_workload(workload, seed), procs=PROCS, steps=steps, group_size=GROUP, parallelism="fsdp",
                    eval_every=0, seed=seed)
-    run.subscribe(lambda m: commits.__setitem__(m["step"], m["time_s"]) if m.get("type") == "step" else None)
+    run.subscribe(on_metric)
     report = run.report(timeout=1800)
-    times = [commits[s] for s in sorted(commits)]
-    return {**_steady(times, [report.global_batch] * len(times)), "replicas_identical": report.replicas_identical,
-            "peak_rss_bytes": report.worker_peak_rss_bytes, "step_ms_report_median": report.step_time_ms_median}
+    order = sorted(commits)
+    steady = _steady([commits[s] for s in order], [report.global_batch] * len(order))
+    first, last = (order[i] for i in steady["span"])
+    return {**steady, "cpu_ms_per_step": 1e3 * (cpu_at[last] - cpu_at[first]) / (last - first),
+            "replicas_identical": report.replicas_identical, "peak_rss_bytes": report.worker_peak_rss_bytes,
+            "step_ms_report_median": report.step_time_ms_median}
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process (the controller) and every live descendant
+    (host agent, workers, spares, fork server), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # it exited meanwhile
+                continue
+            parent[int(entry)] = int(fields[1])
+            used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    mine, grew = {os.getpid()}, True
+    while grew:  # until no process has a parent among them
+        grew = False
+        for pid, ppid in parent.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                grew = True
+    return sum(used.get(pid, 0.0) for pid in mine)
 
 
 def run_native(workload: str, steps: int, seed: int, group_size: int) -> dict:
@@ -88,7 +127,10 @@ def run_native(workload: str, steps: int, seed: int, group_size: int) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     times = summary["times"]
-    return {**_steady(times, [summary["global_batch"]] * len(times)), "peak_rss_bytes": summary["peak_rss_bytes"]}
+    steady = _steady(times, [summary["global_batch"]] * len(times))
+    first, last = steady["span"]
+    cpu_s = sum(rank[last] - rank[first] for rank in summary["cpu_s"])
+    return {**steady, "cpu_ms_per_step": 1e3 * cpu_s / (last - first), "peak_rss_bytes": summary["peak_rss_bytes"]}
 
 
 def kills(workload: str, n: int, seed: int) -> dict:
@@ -155,11 +197,14 @@ def main() -> int:
                 bar.update()
     med = {k: statistics.median(r["throughput_samples_per_s"] for r in v) for k, v in rows.items()}
     peak = {k: statistics.median(max(r["peak_rss_bytes"]) for r in v) for k, v in rows.items()}
+    cpu = {k: statistics.median(r["cpu_ms_per_step"] for r in v) for k, v in rows.items()}
     pairs = [a["throughput_samples_per_s"] / b["throughput_samples_per_s"] for a, b in zip(rows["ft_hsdp"], rows["native_hsdp"])]
     result = {
         "workload": args.workload, "procs": PROCS, "group_size": GROUP, "steps": steps, "repeats": repeats,
         "steady_samples_per_s": med, "ratio_vs_native_hsdp": statistics.median(pairs),
         "ratio_of_medians_vs_native_hsdp": med["ft_hsdp"] / med["native_hsdp"], "per_run_ratios": pairs,
+        "cpu_ms_per_step": cpu, "cpu_ratio_vs_native_hsdp": statistics.median(
+            a["cpu_ms_per_step"] / b["cpu_ms_per_step"] for a, b in zip(rows["ft_hsdp"], rows["native_hsdp"])),
         "peak_rss_bytes_max_rank": peak, "memory_ratio_vs_native_hsdp": peak["ft_hsdp"] / peak["native_hsdp"],
         "runs": rows, "torchft": "not measured: no HSDP integration of torchft 0.2.0 runs on CPU (see the docstring)",
     }
@@ -181,6 +226,9 @@ def _print(r: dict) -> None:
     print(f"{'steady (samples/s)':44} {s['ft_hsdp']:10.0f} {s['native_hsdp']:12.0f} {s['native_fsdp2']:10.0f}   "
           f"{r['ratio_vs_native_hsdp']:.3f}x / >= 0.95 (median of the per-repeat ratios {ratios}; "
           f"ratio of medians {r['ratio_of_medians_vs_native_hsdp']:.3f}x)")
+    c = r["cpu_ms_per_step"]
+    print(f"{'CPU per step, all processes (ms)':44} {c['ft_hsdp']:10.1f} {c['native_hsdp']:12.1f} {c['native_fsdp2']:10.1f}   "
+          f"{r['cpu_ratio_vs_native_hsdp']:.3f}x (median of the per-repeat ratios)")
     print(f"{'peak RSS, largest rank (MiB)':44} {m['ft_hsdp'] / 2**20:10.0f} {m['native_hsdp'] / 2**20:12.0f} "
           f"{m['native_fsdp2'] / 2**20:10.0f}   {r['memory_ratio_vs_native_hsdp']:.3f}x / <= 1.10")
     k = r.get("kills")
