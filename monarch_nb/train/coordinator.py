@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 _MAX_WINDOW = 4096
 #: the longest a window lasts (seconds) while a restarted rank is on its way back: it joins at a
 #: boundary, after the windows in flight, so short windows then keep its wait at most
-#: ``pipeline x JOIN_WINDOW_S``; in the steady state windows last ``window_s`` (default 0.5 s)
+#: ``pipeline x JOIN_WINDOW_S`` whatever ``window_s`` a run chose (default 0.1 s)
 JOIN_WINDOW_S = 0.1
 _CHECKPOINT_TRIES = 3  # failed disk checkpoints in a row that end a run
 

@@ -158,7 +158,7 @@ def make_options(
     keep_parameters: bool = False,
     spares: int = 1,
     window_steps: int | None = None,
-    window_s: float = 0.5,
+    window_s: float = 0.1,
     pipeline: int = 2,
     snapshot_every: int | None = None,
     snapshot_budget: float = 0.005,

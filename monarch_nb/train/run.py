@@ -355,7 +355,7 @@ def fit(
             ``collective_timeout_s``, ``restart_timeout_s``, ``chunk_bytes`` (heal chunk size),
             ``spares`` (warm spare procs per host that take a failed rank's place, default 1, 0
             for none), ``window_s`` (seconds of steps the ranks run between two words from the
-            controller, default 0.5; at most 0.1 while a restarted rank is on its way back)
+            controller, default 0.1; at most 0.1 while a restarted rank is on its way back)
             or ``window_steps`` (a fixed number), ``pipeline`` (windows in flight, default 2; ``window_steps=1, pipeline=1`` is the per-step loop),
             ``snapshot_every`` (steps between shared-memory snapshots; None: as often as costs
             ``snapshot_budget`` = 0.5% of step time, every 20 steps in a sharded run; 0: none), ``checkpoint_dir`` /

@@ -1,5 +1,5 @@
 """How long the controller's windows of steps are (``Coordinator._window_size``): about
-``window_s`` in the steady state, at most ``JOIN_WINDOW_S`` while a restarted rank is on its way
+``window_s`` (here 0.5 s unless said) in the steady state, at most ``JOIN_WINDOW_S`` while a restarted rank is on its way
 back (it joins at a boundary, after the windows in flight). No processes: the coordinator's
 fields the sizing reads are set by hand."""
 
@@ -19,10 +19,11 @@ def sizing(step_s: float | None, *, restarting=(), ready=(), window_s: float = 0
     return Coordinator._window_size(fields)  # type: ignore[arg-type]
 
 
-def test_the_default_window_is_half_a_second_of_steps():
-    assert make_options("digits", procs=2, steps=10).window_s == 0.5
+def test_a_window_is_window_s_of_steps():
+    assert make_options("digits", procs=2, steps=10).window_s == 0.1
     assert sizing(0.01) == 50
-    assert sizing(0.06) == 8  # a sharded charlm step here: 8 steps a window, not 1 (0.1 s before)
+    assert sizing(0.06) == 8  # a sharded charlm step here: 8 steps a window with window_s=0.5
+    assert sizing(0.06, window_s=0.1) == 1
     assert sizing(None) == 1  # no step timed yet: one step
 
 
