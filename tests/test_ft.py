@@ -245,3 +245,39 @@ def _loader_loop():
         loss.backward()
         opt.step()  # the wrapped optimizer's step is ft.step
     return ft.report()
+
+
+def _train_sgd_steplr(steps: int = 30):
+    """SGD whose StepLR cuts the learning rate tenfold after step 19 (StepLR scales the group's
+    current ``lr``: a failed attempt of step 19 has already cut it when the step is redone)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 2))
+    model, opt = ft.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = ft.register("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.1))
+    for _step, (x, y) in ft.batches(_data(), batch_size=48, steps=steps):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        ft.step(opt, loss=loss)
+        sched.step()
+    return opt.param_groups[0]["lr"]
+
+
+def test_a_step_redone_where_the_scheduler_cuts_the_lr_uses_the_steps_own_lr():
+    """A kill inside step 19's all-reduce: the survivors redo step 19 after their loops already
+    ran its ``sched.step()`` (which cut the lr); the redo must use step 19's lr, so the run ends
+    where the fault-free run ends (to the reduction order's rounding; a wrong lr is ~1e-2 off)."""
+    import numpy as np
+
+    reference = mt.start(_train_sgd_steplr, procs=3, keep_parameters=True, spares=0)
+    _check(reference, steps=30, loss=False)
+    faulted = mt.start(_train_sgd_steplr, procs=3, keep_parameters=True, faults=["kill@19:rank=1,phase=collective"])
+    report = _check(faulted, steps=30, loss=False)
+    assert [f["kind"] for f in report.failures] == ["kill"], report.failures
+    want = next(iter(reference.parameters.values()))
+    for rank, params in faulted.parameters.items():
+        for name, tensor in want.items():
+            np.testing.assert_allclose(params[name].numpy(), tensor.numpy(), rtol=0, atol=1e-5, err_msg=f"rank {rank} {name}")

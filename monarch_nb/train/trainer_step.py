@@ -20,9 +20,13 @@ and ``ft.register`` hand it — the model, the optimizer, registered objects —
    otherwise the optimizer applies it at once.
 
 A step that does not commit is undone: at its start the persistent buffers, the registered
-objects' state and the RNG states are kept, and when the same step is run again (redone by a new
-quorum) they are put back, so code in the loop body after ``ft.step`` (``scheduler.step()``) may
-run once per attempt and still leaves no trace of a failed one.
+objects' state, the optimizer's hyperparameters (each param group's ``lr`` and the rest: an LR
+scheduler sets them, and StepLR and most others scale the group's current ``lr``, so a scheduler's
+state alone does not give them back) and the RNG states are kept, and when the same step is run
+again (redone by a new quorum) they are put back, so code in the loop body after ``ft.step``
+(``scheduler.step()``) may run once per attempt and still leaves no trace of a failed one. A rank
+that catches up on a step it attempted applies it with the hyperparameters kept at its start, as
+the ranks that committed it did, then keeps those its loop has set since.
 
 **Commit.** Step ``s`` is committed as soon as one member's all-reduce of ``s`` completed (see
 :mod:`monarch_nb.train.coordinator`). The two flat buffers alternate between steps, so a member
@@ -155,6 +159,7 @@ class Stepping(TrainerFields):
         self._attempt_step = step
         self._kept_buffers = [b.detach().clone() for b in self._all_buffers]
         self._kept_registered = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.registered.items()}
+        self._kept_hyperparameters = self._hyperparameters()
         self._kept_rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
 
     def _put_back(self) -> None:
@@ -165,10 +170,19 @@ class Stepping(TrainerFields):
             buf.copy_(kept)
         for name, obj in self.registered.items():
             obj.load_state_dict(copy.deepcopy(self._kept_registered[name]))
+        self._set_hyperparameters(self._kept_hyperparameters)
         torch_rng, numpy_rng, python_rng = self._kept_rng
         torch.set_rng_state(torch_rng)
         np.random.set_state(numpy_rng)
         random.setstate(python_rng)
+
+    def _hyperparameters(self) -> list[dict]:
+        """A copy of every param group's settings but its parameters (``lr``, betas, ...)."""
+        return [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def _set_hyperparameters(self, kept: list[dict]) -> None:
+        for group, values in zip(self.optimizer.param_groups, kept):
+            group.update(copy.deepcopy(values))
 
     def _forget_attempt(self) -> None:
         """The replica's state was replaced (heal, restore, catch-up): no kept start is valid."""
@@ -349,7 +363,13 @@ class Stepping(TrainerFields):
         t0 = time.perf_counter()
         which = step & 1
         self._bufs[which][: self._n + self._nb].copy_(flat.to(self._bufs[which].device))
+        since = None
+        if step == self._attempt_step:  # its loop ran past the failed attempt (a scheduler's step):
+            since = self._hyperparameters()  # apply with the step's own settings, as its committers did
+            self._set_hyperparameters(self._kept_hyperparameters)
         self._apply(which, step)
+        if since is not None:
+            self._set_hyperparameters(since)
         self._forget_attempt()
         log.debug("rank %d applied step %d from a peer in %.2f ms", self.rank, step, (time.perf_counter() - t0) * 1e3)
         return {"rank": self.rank, "next_step": self.next_step, "applied_steps": self.applied_steps}
