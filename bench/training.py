@@ -359,7 +359,7 @@ def heal_memory(args) -> dict:
         joiner.load_end.call_one().get(60)
         heal_s = time.monotonic() - t0
         peak = _status_kb(pid, "VmHWM") * 1024
-        same = donor.checksum.call_one().get(60)["params_checksum"] == joiner.checksum.call_one().get(60)["params_checksum"]
+        same = donor.checksum.call_one().get(60).digest == joiner.checksum.call_one().get(60).digest
     del store
     extra = max(0, peak - rss_before)
     return {"state_bytes": state_bytes, "chunks": manifest["chunks"], "donor_rss_before_bytes": rss_before,

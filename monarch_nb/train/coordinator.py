@@ -38,6 +38,7 @@ from .coordinator_state import Window
 from .launch import Launch
 from .recovery import RankState, TrainingError, own_failure
 from .waits import Stopped, wait_all
+from .replica_checksum import replica_digests
 from .report import build_report
 from .checkpoints import checkpoint_path
 from .events import CheckpointAnswered, EvalAnswered, RankFailed, RankReady, RestartFailed, RunEvent, Wake, WindowAnswered
@@ -465,8 +466,8 @@ class Coordinator(Launch, Boundaries):
             return wait_all(futures, timeout, stop)[0]
 
         values = ask("checksum", m.live)
-        digests = m.replica_digests(values)
-        applied = {v["applied_steps"] for v in values.values()}
+        digests = replica_digests(values)
+        applied = {v.applied_steps for v in values.values()}
         # an interrupted run is evaluated too (within the stop's 2 s), so its report is complete
         first = (m.quorum_ranks or m.live or [-1])[0]  # a sharded model's forward needs its whole group
         evaluated = ask("evaluate", [r for r in m.layout.members(first) if r in m.live])

@@ -41,6 +41,7 @@ from ..supervision.records import ProcState
 from .events import RankFailed, RankReady, RestartFailed, RunEvent
 from .healing import Healing
 from .rank_procs import RankProcs
+from .replica_checksum import ReplicaChecksum
 from .report import FailureRecord
 from .sharding import GroupLayout
 from .waits import wait_all
@@ -163,27 +164,6 @@ class Membership(Healing):
     def dirty(self) -> bool:
         """The live ranks are not exactly the members of an intact quorum."""
         return self.broken or self.quorum_ranks != self.members
-
-    def identical(self, checksums: dict) -> bool:
-        """Every replica holds the same state: one parameter checksum per shard index among
-        ``checksums`` (``{rank: Trainer.checksum()}``)."""
-        return len(self.replica_digests(checksums)) <= 1
-
-    def replica_digests(self, checksums: dict) -> set[str]:
-        """The distinct replica checksums among ``checksums`` (``{rank: Trainer.checksum()}``): one
-        when every replica is identical. A sharded run's replica is its shards: when every shard
-        index has one checksum, the one digest is the BLAKE2b-64 of them in shard order."""
-        import hashlib
-
-        by_shard: dict[int, set[str]] = {}
-        for v in checksums.values():
-            by_shard.setdefault(v.get("shard", 0), set()).add(v["params_checksum"])
-        if len(by_shard) <= 1:
-            return next(iter(by_shard.values()), set())
-        if any(len(sums) > 1 for sums in by_shard.values()):
-            return {f"{shard}:{s}" for shard, sums in by_shard.items() for s in sums}
-        joined = ",".join(next(iter(by_shard[shard])) for shard in sorted(by_shard))
-        return {hashlib.blake2b(joined.encode(), digest_size=8).hexdigest()}
 
     # -- rank states (training thread, or under the run's lock) ------------------------------------
     def move(self, rank: int, new: RankState) -> None:
@@ -470,8 +450,8 @@ class Membership(Healing):
                      ", ".join(f"{r}: {type(e).__name__}" for r, e in errors.items()))
         raise TrainingError("could not form a quorum after 20 tries")
 
-    def checksums(self, timeout_s: float | None = None) -> dict:
-        """Parameter checksums of the live ranks (ranks that fail to answer are failed)."""
+    def checksums(self, timeout_s: float | None = None) -> dict[int, ReplicaChecksum]:
+        """The live ranks' replica checksums (ranks that fail to answer are failed)."""
         futures = {r: self.trainers[r].checksum.call_one() for r in self.live}
         values, errors = wait_all(futures, timeout_s or self.options.collective_timeout_s, self.run.stop_event)
         for rank, exc in errors.items():

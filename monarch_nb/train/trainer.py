@@ -34,6 +34,7 @@ from typing import Any, Callable
 from ..actor.endpoint import Actor, endpoint
 from . import current
 from .data import SampleOrder, digest, shard_bounds
+from .replica_checksum import ReplicaChecksum, state_checksum
 from .trainer_loop import FINISH, LoopDriver, WindowOrder, WindowReply, WindowStatus
 from .sharding import GroupCollectiveError, GroupLayout, broke_the_group, form_group, local, parallelize
 from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
@@ -91,35 +92,6 @@ class EndpointLoop:
         actor = self.cls(*self.actor_args, **self.actor_kwargs)
         result = getattr(actor, self.method)(*args, **kwargs)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
-
-
-def _params_checksum(state: dict) -> str:
-    """16 hex digits: BLAKE2b-64 of each entry's name and, for a tensor, its dtype, shape and
-    ``hip_ext.checksum`` (a 64-bit hash of its bytes, computed on its own device, no copy to the
-    host), for anything else its repr, in order (nested dicts flattened by dotted names)."""
-    import hashlib
-
-    import torch
-    from hip_ext import checksum
-
-    h = hashlib.blake2b(digest_size=8)
-
-    def feed(prefix: str, obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            obj = local(obj)
-            h.update(f"{prefix}|{obj.dtype}|{tuple(obj.shape)}|{checksum(obj)}\n".encode())
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                feed(f"{prefix}.{k}", v)
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                feed(f"{prefix}[{i}]", v)
-        else:
-            h.update(f"{prefix}={obj!r}\n".encode())
-
-    for name, value in state.items():
-        feed(name, value)
-    return h.hexdigest()
 
 
 class _Window:
@@ -407,19 +379,15 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
                 "quorum": self._quorum, "broken": self._broken}
 
     @endpoint
-    def checksum(self) -> dict:
-        """Checksum of the replica: parameters, buffers, optimizer state, registered state.
-
-        Returns ``{"rank", "params_checksum" (str, 16 hex digits: see :func:`_params_checksum`),
-        "applied_steps", "next_step", "shard" (this rank's shard index; 0 unsharded)}``. Equal on
-        two replicas (two ranks of one shard index) exactly when (barring a 64-bit collision) all
-        of that is bit-identical, on any device.
-        """
+    def checksum(self) -> ReplicaChecksum:
+        """Checksum of the replica: parameters, buffers, optimizer state, registered state, part
+        by part (see :mod:`.replica_checksum`). Two ranks of one shard index have one digest
+        exactly when (barring a 64-bit collision) all of that is bit-identical, on any device."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "registered": {name: obj.state_dict() for name, obj in self.registered.items()}}
-        return {"rank": self.rank, "params_checksum": _params_checksum(state),
-                "applied_steps": self.applied_steps, "next_step": self.next_step,
-                "shard": self.layout.shard_of(self.rank)}
+        digest, parts = state_checksum(state)
+        return ReplicaChecksum(rank=self.rank, digest=digest, applied_steps=self.applied_steps,
+                               next_step=self.next_step, shard=self.layout.shard_of(self.rank), parts=parts)
 
     @endpoint
     def parameters(self) -> dict:
