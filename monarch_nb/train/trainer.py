@@ -94,6 +94,26 @@ class EndpointLoop:
         return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
+def release_freed_memory() -> bool:
+    """Give the C heap's freed memory back to the system (glibc's ``malloc_trim(0)``); False where
+    the C library has none (musl, macOS).
+
+    Training frees its activations into the allocator, which keeps them; an evaluation's larger
+    batches then grow the process past that instead of into it. Trimming first took the peak
+    RSS of an evaluating llama-small rank (3,033,344 parameters, FSDP2 in groups of 2, 4 ranks)
+    from ~900 MiB to ~815 MiB here; torch's native HSDP ranks evaluating the same test set peak at
+    790-900 MiB. Costs a walk of the heap (milliseconds), once per evaluation."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim(0)
+    return True
+
+
 class _Window:
     """The window the loop thread runs: steps ``start .. start+count-1`` and their records."""
 
@@ -397,18 +417,26 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
     @endpoint
     def evaluate(self) -> dict:
         """The registered evaluator's figures (``ft.evaluator``): ``{"test_loss", "test_accuracy"
-        (or None), "next_step"}``; None figures when the function registered none."""
+        (or None), "next_step"}``; None figures when the function registered none. The evaluator
+        runs on the loop thread, parked at a step boundary (``LoopDriver.call``): where the user's
+        loop set its device and where training's freed memory is."""
         if self.evaluator is None:
             return {"test_loss": None, "test_accuracy": None, "next_step": self.next_step}
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        evaluator, model = self.evaluator, self.model
+
+        def run() -> dict:
             import torch
 
-            with torch.no_grad():
-                figures = dict(self.evaluator())
-        finally:
-            self.model.train(was_training)
+            release_freed_memory()
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    return dict(evaluator())
+            finally:
+                model.train(was_training)
+
+        figures = self._driver.call(run, self._setup_timeout_s())
         return {"test_loss": figures.get("test_loss"), "test_accuracy": figures.get("test_accuracy"),
                 "next_step": self.next_step}
 

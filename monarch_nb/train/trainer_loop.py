@@ -6,8 +6,9 @@ has not been given: there the loop thread *parks* (:meth:`LoopDriver.park`) with
 the window it just ran, and waits for the next order. The actor thread hands it one
 (:meth:`LoopDriver.run`: a window of steps, or the end) and waits until it parks again (or the
 function raises or returns). So every other call of the controller — join a quorum, heal, give a
-gradient, evaluate, checksum — runs on the actor thread while the loop thread is parked at a step
-boundary, and the two never touch the replica at once. Messages from one sender are FIFO, so the
+gradient, checksum — runs on the actor thread while the loop thread is parked at a step
+boundary, and the two never touch the replica at once; an evaluation is handed to the parked loop
+thread itself (:meth:`LoopDriver.call`), which runs it and parks again. Messages from one sender are FIFO, so the
 next window is usually waiting when the loop parks: ranks go from window to window without the
 controller in between.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-__all__ = ["LoopDriver", "LoopState", "WindowOrder", "WindowStatus", "WindowReply", "FINISH"]
+__all__ = ["LoopDriver", "LoopState", "WindowOrder", "WindowStatus", "WindowReply", "FINISH", "LoopCall"]
 
 
 class LoopState(str, Enum):
@@ -42,6 +43,21 @@ class WindowOrder:
     count: int
     split: frozenset
     snapshot: dict | None
+
+
+class LoopCall:
+    """A callable run on the parked loop thread (:meth:`LoopDriver.call`), with its outcome."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as exc:  # the caller's to raise, on the actor thread: the loop goes on
+            self.error = exc
 
 
 class WindowStatus(str, Enum):
@@ -166,6 +182,30 @@ class LoopDriver:
         self._wait_off_running(timeout_s, "finish its window")
         return self.result
 
+    def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """``fn()`` on the loop thread while it is parked at a step boundary (the thread the user's
+        loop runs on: its thread-local settings — the current CUDA/HIP device, grad mode,
+        autocast — and its allocator arena, so an evaluation reuses the memory training freed
+        instead of growing a second arena); on the calling thread when the loop is not parked
+        (not started, or its function has ended). Returns what ``fn`` returns.
+
+        Raises:
+            what ``fn`` raised (the loop stays parked, unharmed);
+            TimeoutError: ``fn`` did not return within ``timeout_s``.
+        """
+        with self._cv:
+            parked = self.state == LoopState.PARKED
+            if parked:
+                order = LoopCall(fn)
+                self._order = order
+                self._move(LoopState.RUNNING)
+        if not parked:
+            return fn()
+        self._wait_off_running(timeout_s, "finish a call at its step boundary")
+        if order.error is not None:
+            raise order.error
+        return order.value
+
     def _wait_off_running(self, timeout_s: float, what: str) -> None:
         with self._cv:
             if not self._cv.wait_for(lambda: self.state != LoopState.RUNNING, timeout_s):
@@ -176,13 +216,18 @@ class LoopDriver:
     # -- loop thread --------------------------------------------------------------------------------
     def park(self, result: Any) -> Any:
         """At a step boundary: report ``result`` (the window just run, or None) and wait for the
-        next order; returns it."""
-        with self._cv:
-            self.result = result
-            self._order = None
-            self._move(LoopState.PARKED)
-            self._cv.wait_for(lambda: self.state == LoopState.RUNNING)
-            return self._order
+        next order; returns it. A :class:`LoopCall` handed in meanwhile runs here, and the loop
+        parks again."""
+        while True:
+            with self._cv:
+                self.result = result
+                self._order = None
+                self._move(LoopState.PARKED)
+                self._cv.wait_for(lambda: self.state == LoopState.RUNNING)
+                order = self._order
+            if not isinstance(order, LoopCall):
+                return order
+            order.run()  # then park again at the same boundary, with the same result
 
     def _main(self) -> None:
         try:
