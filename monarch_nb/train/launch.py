@@ -86,7 +86,7 @@ class Launch(CoordinatorState):
         extra: dict = {}
         if o.spares:
             if "spares" in inspect.signature(HostMesh.spawn_procs).parameters:
-                extra = {"spares": o.spares, "preload": SPARE_PRELOAD}
+                extra = {"spares": o.spares, "preload": SPARE_PRELOAD + (o.workload.preload if o.workload else ())}
                 self.spares = o.spares
             else:
                 log.info("this runtime keeps no warm spares; a failed rank restarts in a fresh process")

@@ -48,6 +48,10 @@ class Workload:
         default_lr: learning rate used when the caller gives none.
         default_batch: default global batch size (samples per step over all ranks).
         classification: True if ``accuracy`` is meaningful (argmax of the model's output).
+        preload: modules its hooks import beyond torch, imported once by each host's fork server
+            before any proc of the run (a rank or a warm spare) is forked from it, so a spare that
+            takes a rank builds the model at once (third-party libraries only: never a module the
+            user may edit while the run's procs live).
     """
 
     name = "workload"
@@ -55,6 +59,7 @@ class Workload:
     default_lr = 1e-3
     default_batch = 64
     classification = False
+    preload: tuple[str, ...] = ()
 
     def setup(self) -> None:
         """Load data in the worker (called once per trainer, before any other hook)."""
@@ -284,6 +289,9 @@ class LlamaWorkload(CharLMWorkload):
     """
 
     name = "llama"
+    #: transformers' Llama takes ~2.6 s to import here: a spare that had to would make a group's
+    #: rejoin ~3.7 s slower (llama-small, 2 cores)
+    preload = ("transformers.models.llama.modeling_llama",)
 
     def __init__(self, path: str, size: str = "tiny", context: int = 64):
         import importlib.util
