@@ -51,8 +51,13 @@ log = logging.getLogger(__name__)
 
 _MAX_WINDOW = 4096
 #: the longest a window lasts (seconds) while a restarted rank is on its way back: it joins at a
-#: boundary, after the windows in flight, so short windows then keep its wait at most
-#: ``pipeline x JOIN_WINDOW_S`` whatever ``window_s`` a run chose (default 0.1 s)
+#: boundary, after the window in flight, so short windows then keep its wait at most
+#: ``JOIN_WINDOW_S`` (or one step, when a step takes longer) whatever ``window_s`` a run chose
+#: (default 0.1 s). Meanwhile one window is in flight, not ``pipeline``: with steps longer than
+#: that (a window of one step) a second window in flight would add a whole step to the wait
+#: (llama-small in groups of 2, steps of ~0.6 s on half the ranks: the group's rejoin p50
+#: 1.69 -> see docs/training.md §8), for a round trip of the controller between windows
+#: meanwhile.
 JOIN_WINDOW_S = 0.1
 _CHECKPOINT_TRIES = 3  # failed disk checkpoints in a row that end a run
 
@@ -153,7 +158,8 @@ class Coordinator(Launch, Boundaries):
 
     def _dispatch(self) -> None:
         o, m = self.o, self.m
-        while (self._in_flight() < o.pipeline and self.next_dispatch < o.steps and not self._needs_boundary()
+        pipeline = 1 if self.m.restarting or self.m.ready else o.pipeline  # see JOIN_WINDOW_S
+        while (self._in_flight() < pipeline and self.next_dispatch < o.steps and not self._needs_boundary()
                and not self.run.stopping):
             start = self.next_dispatch
             end = self._window_end(start)
