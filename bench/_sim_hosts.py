@@ -5,8 +5,8 @@
 Each simulated host is a ZeroMQ DEALER named like a host agent (``MESH-host<h>``, incarnation this
 pid), connected to the controller at ADDRESS, its messages signed with the cluster key as a real
 agent's are: it says hello (``agent_hello``), then heartbeats as an idle agent does, every
-IDLE_HEARTBEAT_EVERY x INTERVAL_S seconds (heartbeat_relay.IdleCadence), the hosts spread over
-that time (``agent_heartbeat``: a load, no stopped procs, and its PER_HOST procs
+IDLE_HEARTBEAT_EVERY x INTERVAL_S seconds (heartbeat_relay.IdleCadence), each host in its slot of
+the interval as a real agent (heartbeat_relay.tick_phase_s) (``agent_heartbeat``: a load, no stopped procs, and its PER_HOST procs
 ``MESH.<rank>`` as heard with their fields unchanged: what a real agent sends for idle procs,
 monarch_nb.runtime.heartbeat_relay). It reads and drops what the controller sends (its heartbeats
 to attached hosts). Commands on stdin, one a line: ``exit IDENTITY`` (report that proc exited by
@@ -32,7 +32,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY  # noqa: E402
+from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY, tick_phase_s  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
 from monarch_nb.transport.wire import BadMessage, Signer, decode, encode  # noqa: E402
@@ -149,7 +149,8 @@ def main() -> int:
     silent: set[str] = set()
     start = time.monotonic()
     every_s = interval_s * IDLE_HEARTBEAT_EVERY  # an idle agent's cadence (nothing new to say)
-    due = {name: start + every_s * h / hosts for h, name in enumerate(names)}  # spread over it
+    wall = time.time()  # each host in its slot of the interval, as real agents tick (heartbeat_relay.tick_phase_s)
+    due = {name: start + (tick_phase_s(name, interval_s) - wall) % every_s for name in names}
     next_drain = start
     while True:
         now = time.monotonic()

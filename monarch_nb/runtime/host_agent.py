@@ -55,7 +55,7 @@ from ..transport.channel import Channel
 from ..transport.keys import load_trust
 from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
-from .heartbeat_relay import HeartbeatRelay, IdleCadence
+from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, WorkspaceHeader,
@@ -648,7 +648,8 @@ class HostAgent:
         self.channel.add_reader(self._sigchld_r, self._on_sigchld)
         self.channel.connect(self.env.controller, self.trust)
         self.channel.every(self.env.orphan_check_s, self._check_parent)
-        self.channel.every(self.env.heartbeat_interval_s, self._heartbeat)
+        interval = self.env.heartbeat_interval_s
+        self.channel.every(interval, self._heartbeat, phase_s=tick_phase_s(self.name, interval))
         hello: AgentHelloHeader = {"kind": Kind.AGENT_HELLO, "pid": os.getpid(), "host": self.name}
         self.channel.send(CONTROLLER, hello)
         self._check_parent()

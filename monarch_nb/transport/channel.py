@@ -152,7 +152,7 @@ class Channel:
         self._route_frames: dict[str, bytes] = {}
         self._peers: set[bytes] = set()  # ROUTER: identities that sent a verified message (forward targets)
         self._own_route = route_id(identity).encode()
-        self._timers: list[list[Any]] = []  # [next_due, interval_s, fn]
+        self._timers: list[list[Any]] = []  # [next_due, interval_s, fn, phase_s or None]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._lease = threading.Lock()  # held by the thread that receives (see the module docstring)
@@ -202,9 +202,16 @@ class Channel:
         self._readers.pop(fd, None)
         self._readers_version += 1
 
-    def every(self, interval_s: float, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` on the IO thread every ``interval_s`` seconds. Call before :meth:`start`."""
-        self._timers.append([time.monotonic() + interval_s, interval_s, fn])
+    def every(self, interval_s: float, fn: Callable[[], None], phase_s: float | None = None) -> None:
+        """Run ``fn()`` on the IO thread every ``interval_s`` seconds. Call before :meth:`start`.
+
+        ``phase_s``: run at the wall-clock times ``t`` where ``t % interval_s == phase_s`` (the
+        first one as soon as it comes), so that processes on hosts whose clocks agree tick in
+        chosen slots; None: ``interval_s`` after the previous run, the first ``interval_s`` from now.
+        """
+        now = time.monotonic()
+        due = now + interval_s if phase_s is None else now + (phase_s - time.time()) % interval_s
+        self._timers.append([due, interval_s, fn, phase_s])
 
     def start(self, name: str = "monarch_nb-io") -> None:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -477,8 +484,12 @@ class Channel:
         now = time.monotonic()
         for timer in self._timers:
             if now >= timer[0]:
-                timer[0] = now + timer[1]
-                self._guarded(timer[2])
+                due, interval, fn, phase = timer
+                wait = interval if phase is None else (phase - time.time()) % interval
+                if wait < interval / 2:  # a phased timer that ran late (or early): its next slot
+                    wait += interval
+                timer[0] = now + wait
+                self._guarded(fn)
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self, join_timeout_s: float = 2.0) -> None:

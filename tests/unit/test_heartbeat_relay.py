@@ -95,3 +95,51 @@ def test_anything_new_makes_the_very_next_tick_send(tmp_path):
     assert [s is None for s in skipped] == [True, True, True, False], "every fourth tick when idle"
     with pytest.raises(ValueError, match="at least 1"):
         IdleCadence(every=0)
+
+
+def test_agents_tick_in_eight_slots_by_host_name():
+    from monarch_nb.runtime.heartbeat_relay import HEARTBEAT_SLOTS, tick_phase_s
+
+    phases = [tick_phase_s(f"train0-host{h}", 0.25) for h in range(1024)]
+    assert phases == [tick_phase_s(f"train0-host{h}", 0.25) for h in range(1024)], "the same on every machine"
+    slots = {round(p / 0.25 * HEARTBEAT_SLOTS) for p in phases}
+    assert slots == set(range(HEARTBEAT_SLOTS)) and all(0 <= p < 0.25 for p in phases)
+    per_slot = [sum(1 for p in phases if round(p / 0.25 * HEARTBEAT_SLOTS) == s) for s in range(HEARTBEAT_SLOTS)]
+    assert min(per_slot) > 1024 / HEARTBEAT_SLOTS / 2, per_slot  # spread: no slot gets the bulk
+
+
+class _Clock:
+    """A wall clock and a monotonic one that move together, by hand."""
+
+    def __init__(self, wall: float):
+        self.wall, self.mono = wall, 1000.0
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+def test_a_phased_timer_runs_at_its_slot_of_the_wall_clock_and_keeps_it(monkeypatch):
+    """``Channel.every(..., phase_s=)``: the first run at the next wall-clock time in the slot, then
+    every interval in it, a late run not pushing the later ones (a plain timer's next run is an
+    interval after the last)."""
+    from monarch_nb.transport import channel as channel_module
+    from monarch_nb.transport.channel import Channel
+    from monarch_nb.transport.wire import Signer
+
+    clock = _Clock(wall=5000.01)  # 10 ms past a multiple of 0.25 s
+    monkeypatch.setattr(channel_module.time, "time", lambda: clock.wall)
+    monkeypatch.setattr(channel_module.time, "monotonic", lambda: clock.mono)
+    ch = Channel("test-timers", Signer(b"k" * 32), lambda *a: None)
+    try:
+        runs: list[float] = []
+        ch.every(0.25, lambda: runs.append(clock.wall), phase_s=0.125)
+        due = ch._timers[0][0]
+        assert due - clock.mono == pytest.approx(0.115)  # 5000.125 comes in 115 ms
+        for late in (0.0, 0.004, 0.030, 0.0):  # run each when due, some of them late
+            clock.advance(ch._timers[0][0] - clock.mono + late)
+            ch._run_timers()
+        assert [round(t % 0.25, 3) for t in runs] == [0.125, 0.129, 0.155, 0.125]
+        assert [round(b - a, 3) for a, b in zip(runs, runs[1:])] == [0.254, 0.276, 0.22]
+    finally:
+        ch.close()
