@@ -184,9 +184,8 @@ class LoopDriver:
 
     def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         """``fn()`` on the loop thread while it is parked at a step boundary (the thread the user's
-        loop runs on: its thread-local settings — the current CUDA/HIP device, grad mode,
-        autocast — and its allocator arena, so an evaluation reuses the memory training freed
-        instead of growing a second arena); on the calling thread when the loop is not parked
+        loop runs on, so ``fn`` sees the thread-local settings the loop made: the current
+        CUDA/HIP device, grad mode, autocast); on the calling thread when the loop is not parked
         (not started, or its function has ended). Returns what ``fn`` returns.
 
         Raises:
