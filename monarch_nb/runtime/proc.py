@@ -63,20 +63,14 @@ PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
-class PeerFailure:
-    """A proc of this proc's mesh failed (what the controller said: ``proc_failed``).
+class PeerFailure(FailedProc):
+    """A proc of this proc's mesh failed: what the controller said (``proc_failed``, a
+    :class:`~.protocol.FailedProc`), and when it was heard.
 
     Attributes:
-        identity: the peer's routing identity. rank: its rank. cause: ``SIGKILL``, ``hung``,
-        ``host_lost``, ``exit 3``, ... detail: a sentence. signal: the signal's name, or None.
         monotonic: ``time.monotonic()`` here when it was heard.
     """
 
-    identity: str
-    rank: int
-    cause: str
-    detail: str
-    signal: str | None
     monotonic: float
 
     def describe(self) -> str:
