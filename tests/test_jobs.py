@@ -185,6 +185,25 @@ def test_a_restarted_kernel_reattaches_its_job_at_any_moment_after_the_old_one_d
         job.kill(cached_path=state_file)
 
 
+def test_a_job_ended_through_another_object_leaves_no_host_behind(tmp_path, no_leaked_processes):
+    """A kernel attaches a job with ``LocalJob(...).state()``, then ends it with
+    ``job_load(path).kill()``: this controller forgets the job's hosts. (It kept them: their
+    workers gone, it tried to attach them again every second, and took the next worker that
+    listened at one of their ports, a later job's, which another controller was attaching.)"""
+    from monarch_nb.runtime.controller import Controller
+    from monarch_nb.supervision.records import ProcState
+
+    state_file = str(tmp_path / "job_state.json")
+    names = LocalJob({"trainers": 2}).state(cached_path=state_file).trainers.host_names
+    ctrl = Controller.get()
+    assert [ctrl.hosts[n].state for n in names] == [ProcState.HEALTHY] * 2
+    job = job_load(state_file)
+    pids = list(job.running["pids"])
+    job.kill(cached_path=state_file)
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 15, message="the job's workers gone")
+    assert [n for n in names if n in ctrl.hosts or ctrl.host_agents.reattaching(n)] == []
+
+
 def test_a_live_controller_keeps_its_hosts(tmp_path, no_leaked_processes):
     """Another controller asking for the hosts of a live one is refused, saying whose they are, and
     the live controller's procs serve on untouched."""

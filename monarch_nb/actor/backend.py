@@ -75,7 +75,8 @@ class Backend(Protocol):
         """Attach the worker loops at ``workers``; return their host names."""
 
     def detach_hosts(self, names: list[str]) -> None:
-        """Forget attached hosts (their job ended): their agents are told to stop, no re-attach."""
+        """Forget attached hosts (their job ended): their agents are told to stop, no re-attach.
+        ``names``: host names, or their workers' addresses (``tcp://HOST:PORT``)."""
 
     def spawn_actors(
         self, mesh: str, ranks: list[int], name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], spawn_extent: "Extent"

@@ -137,11 +137,19 @@ class Job(ABC):
 
     def kill(self, cached_path: str | None = DEFAULT_STATE_PATH) -> None:
         """End the allocation (idempotent) and forget it in ``cached_path``."""
-        if self._attached:  # forget its hosts first: their loss is the job's end, not a failure to heal
-            existing = backend.existing()
-            if existing is not None:
-                existing.detach_hosts(self._attached)
-            self._attached = []
+        # forget its hosts first: their loss is the job's end, not a failure to heal. Also those
+        # another object of this job attached (job_load(path).kill() after a LocalJob(...).state()):
+        # a controller left holding a dead worker's host would try to attach it again forever, and
+        # take whatever worker listens at its address next.
+        from ..runtime.controller import Controller
+
+        existing = backend.existing()
+        workers = [a for addresses in ((self.running or {}).get("workers") or {}).values() for a in addresses]
+        if not isinstance(existing, Controller):  # a worker's backend: no host is attached there
+            workers = []
+        if existing is not None and (self._attached or workers):
+            existing.detach_hosts(list(self._attached) + workers)
+        self._attached = []
         if self.running is not None:
             self._kill(self.running)
             self.running = None

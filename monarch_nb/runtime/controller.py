@@ -182,8 +182,11 @@ class Controller:
         return self.host_agents.attach(list(workers), ca)
 
     def detach_hosts(self, names: list[str]) -> None:
-        """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`).
-        Proc meshes with procs on them are stopped first: their end is the job's, not a failure."""
+        """Forget attached hosts whose job ended (see :meth:`monarch_nb.runtime.hosts.Hosts.detach`):
+        host names, or the addresses of their workers (``tcp://HOST:PORT``; one not attached here is
+        skipped). Proc meshes with procs on them are stopped first: their end is the job's, not a
+        failure."""
+        names = self.host_agents.named(list(names))
         gone = set(names)
         for mesh, record in list(self.meshes.items()):
             if not record.stopped and any(self.procs[i].host in gone for i in record.procs if i in self.procs):

@@ -311,6 +311,19 @@ class Hosts:
         """``host`` is lost and the controller is attaching it again (its worker may answer soon)."""
         return host in self._reattaching
 
+    def named(self, hosts: list[str]) -> list[str]:
+        """The host names of ``hosts``: each a host name, or a worker's address (``tcp://HOST:PORT``,
+        any spelling) standing for the attached host it serves, if any."""
+        names = []
+        for host in hosts:
+            if host.startswith("tcp://"):
+                key = _address_key(host)
+                with self._lock:
+                    names += [name for name, link in self._links.items() if link.get("key") == key]
+            else:
+                names.append(host)
+        return list(dict.fromkeys(names))
+
     def detach(self, names: list[str]) -> None:
         """Forget the attached hosts ``names`` (their job ended): tell their agents to stop, try no
         re-attach, drop their records. Their procs' meshes should be stopped first."""
