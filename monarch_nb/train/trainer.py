@@ -24,6 +24,7 @@ error of the function itself ends its loop thread; the controller sees it as thi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -103,15 +104,23 @@ def release_freed_memory() -> bool:
     RSS of an evaluating llama-small rank (3,033,344 parameters, FSDP2 in groups of 2, 4 ranks)
     from ~900 MiB to ~815 MiB here; torch's native HSDP ranks evaluating the same test set peak at
     790-900 MiB. Costs a walk of the heap (milliseconds), once per evaluation."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None; looked up once (``find_library`` runs ``ldconfig``)."""
     import ctypes
     import ctypes.util
 
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     except (OSError, AttributeError, TypeError):
-        return False
-    trim(0)
-    return True
+        return None
 
 
 class _Window:
@@ -419,7 +428,7 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         """The registered evaluator's figures (``ft.evaluator``): ``{"test_loss", "test_accuracy"
         (or None), "next_step"}``; None figures when the function registered none. The evaluator
         runs on the loop thread, parked at a step boundary (``LoopDriver.call``): where the user's
-        loop set its device and where training's freed memory is."""
+        loop set its device, grad mode and autocast."""
         if self.evaluator is None:
             return {"test_loss": None, "test_accuracy": None, "next_step": self.next_step}
         evaluator, model = self.evaluator, self.model
