@@ -277,6 +277,8 @@ class Coordinator(Launch, Boundaries):
             self._on_checkpoint(event.next_step, event.rank, event.future)
 
     def _on_failed(self, rank: int, exc: BaseException, pid: int | None = None) -> None:
+        if self.m.own_death_heard(rank, exc, pid):
+            return  # taken out already as a failed partner; its record now names its own death
         if pid and pid != self.m.current_pid(rank):
             return  # a stale report about an incarnation already replaced
         if self.m.state.get(rank) in (RankState.LIVE, RankState.READY):

@@ -282,6 +282,22 @@ class Membership(Healing):
         thread.start()
         return True
 
+    def own_death_heard(self, rank: int, exc: BaseException, pid: int | None) -> bool:
+        """``rank`` was taken out as a failed rank's partner (its record's kind is ``group``) and
+        now its own death is heard: the death is the cause. A partner's death our own group
+        restart caused is never reported (the controller knows the pid it killed), so a
+        supervision failure of the incarnation the record was opened for (``pid``) is a death of
+        its own, heard after the partner's error (a SIGKILLed rank's exit can reach the
+        controller after its partner's collective error). Returns True if a record was
+        relabeled (then there is nothing else to do: the rank is already restarting)."""
+        if pid is None or not isinstance(exc, SupervisionError):
+            return False
+        with self.run.lock:
+            recs = [rec for rec in self.open_for(rank) if rec.kind == "group" and rec.pid == pid and rec.restarted]
+            for rec in recs:
+                rec.kind, rec.cause = kind_of(exc), cause_of(exc)
+        return bool(recs)
+
     def _take_out(self, rank: int, exc: BaseException | None) -> bool:
         """Record ``rank``'s failure and move it to restarting; False if it already was (or is out)."""
         now = time.monotonic()

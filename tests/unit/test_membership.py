@@ -180,6 +180,24 @@ def test_a_failed_shard_holder_takes_its_whole_replica_group_out_and_the_group_r
     m.join_threads(5)
 
 
+def test_a_killed_rank_whose_death_is_heard_after_its_partners_error_is_recorded_as_a_crash():
+    """Rank 1 is SIGKILLed in a reduce-scatter; its partner's GroupCollectiveError reaches the
+    controller first, which takes rank 1 out as the partner (``group``). Rank 1's own death, heard
+    next, names the cause; a report about another incarnation (or an error that is not a death)
+    does not."""
+    m, run, procs = membership(ranks=4, group_size=2)
+    m.fail_rank(0, actor_error(0, "GroupCollectiveError"))
+    assert sorted((f.rank, f.kind) for f in m.failures) == [(0, "group"), (1, "group")]
+    assert not m.own_death_heard(1, SupervisionError(1, "killed", signal="SIGKILL"), pid=999), "another incarnation"
+    assert not m.own_death_heard(1, actor_error(1, "GroupCollectiveError"), pid=1001), "not a death"
+    assert m.own_death_heard(1, SupervisionError(1, "SIGKILL", signal="SIGKILL"), pid=1001)
+    assert sorted((f.rank, f.kind, f.cause) for f in m.failures) == [
+        (0, "group", "raised GroupCollectiveError"), (1, "crash", "SIGKILL")]
+    assert m.restarting == [0, 1] and len(m.failures) == 2, "still one restart of the group, one record each"
+    assert {next_event(m), next_event(m)} == {RankReady(0), RankReady(1)}
+    m.join_threads(5)
+
+
 def test_a_rank_that_dies_inside_the_quorum_barrier_aborts_it_and_the_quorum_forms_without_it():
     barrier = Barrier()
     m, run, procs = membership(barrier=barrier)
