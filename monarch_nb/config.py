@@ -26,6 +26,8 @@ class Config:
     import_grace_s: float = _setting(60.0, "how long (seconds) a proc importing torch or another heavy module may be silent")
     heartbeats_via_agents: bool = _setting(True, "procs heartbeat to their host agent, which sums them up in one message "
                                            "per interval (False: each proc heartbeats to the controller)")
+    messages_via_agents: bool = _setting(True, "a cast to several procs of a host goes to its host agent as one message, "
+                                         "passed on to each (False: one message straight to each proc)")
     fence_hung: bool = _setting(True, "SIGKILL a proc once it is reported hung, releasing peers in collectives")
     transport: str = _setting("ipc", "'ipc' (one host, unix sockets) or 'tcp' (127.0.0.1 unless bind_host is set)")
     bind_host: str = _setting("127.0.0.1", "address the controller binds with the tcp transport")

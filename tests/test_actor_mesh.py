@@ -79,6 +79,21 @@ def test_1000_broadcasts_then_call_are_ordered(procs4):
     assert counters.get_value.call().get(timeout=30).values() == [1000] * 4
 
 
+def test_a_broadcast_is_one_message_through_the_host_agent_and_a_later_call_never_overtakes_it(procs4):
+    """Issue 25, step 2: a broadcast to the 4 procs of a host is one message of the controller's,
+    through the host agent; a call_one goes straight to its proc, and one sent after a broadcast
+    is served after it (the proc delivers the controller's messages in the order sent)."""
+    counters = procs4.spawn("counters", Counter)
+    channel = Controller.get().channel
+    assert {channel.routed_via(f"{procs4.name}.{r}") for r in range(4)} == {"host0"}
+    before = channel.sent_via_agents
+    for n in range(1, 101):
+        counters.incr.broadcast()
+        assert counters.slice(gpus=n % 4).get_value.call_one().get(timeout=10) == n
+    assert channel.sent_via_agents - before == 100, "each broadcast: one message through the agent; the calls straight"
+    assert counters.get_value.call().get(timeout=30).values() == [100] * 4
+
+
 def test_tensors_round_trip_without_copy_into_stream(procs4):
     workers = procs4.spawn("w", Worker)
     x = torch.randn(512, 512)  # 1 MiB

@@ -261,6 +261,7 @@ def test_restart_in_place_respawns_actors(m):
     procs.restart(1)
     rec = ctrl.proc_record(procs.name, 1)
     assert rec.pid != old_pid and rec.restarts == restarts + 1 and rec.state in (ProcState.HEALTHY, ProcState.BUSY)
+    assert ctrl.channel.routed_via(rec.identity) == rec.host, "the new incarnation linked to its host agent again"
     assert wait_event(ctrl, procs, "proc_restarted", 1, since).cause == "restart"
     assert one.incr.call_one(1).get(timeout=DEADLINE_S) == 6  # constructed again with Counter(5)
     info = one.whoami.call_one().get(timeout=DEADLINE_S)

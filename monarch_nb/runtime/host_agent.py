@@ -56,6 +56,7 @@ from ..transport.keys import load_trust
 from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
+from .proc_link import AgentLink
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, WorkspaceHeader,
@@ -138,6 +139,8 @@ class HostAgent:
         self.workspace = WorkspaceCopy(os.path.join(self.folder, "workspace"))  # first on every proc's sys.path
         # procs' heartbeats, summarized in ours
         self.heartbeats = HeartbeatRelay(self.folder, self._ranked_children, enabled=env.relay_heartbeats)
+        self.link = AgentLink(self.folder, enabled=env.link_procs)  # the controller's messages for our procs, passed on
+        self.channel.on_routed = self.link.forward
         self.cadence = IdleCadence()  # an idle host's heartbeat every second interval
         self.subreaper = become_subreaper()
         self.servers: dict[str, ForkServer] = {}  # server_key -> server (a dead one stays: no retry storm)
@@ -190,6 +193,7 @@ class HostAgent:
         proc_env.curve_dir = self.env.curve_dir
         proc_env.workspace = self.workspace.root
         proc_env.heartbeat_dir = self.heartbeats.folder
+        proc_env.agent_link = self.link.address
         proc_env.sys_path = [self.workspace.root, *(p for p in proc_env.sys_path if p != self.workspace.root)]
         if proc_env.rank >= 0:
             proc_env.extra.update(device.visibility_env(proc_env.local_rank, self.inventory))
@@ -634,6 +638,7 @@ class HostAgent:
             self._reap()
             time.sleep(0.005)
         self.channel.close()
+        self.link.close()
         self.heartbeats.close()
         if self.env.run_id:  # files of messages that were never received (their receiver died)
             shm.remove_orphans(self.env.run_id)
@@ -646,6 +651,8 @@ class HostAgent:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_terminate", True))  # acted on by the next check
         self.channel.add_reader(self._sigchld_r, self._on_sigchld)
+        if self.link.fd >= 0:
+            self.channel.add_reader(self.link.fd, self.link.on_readable)
         self.channel.connect(self.env.controller, self.trust)
         self.channel.every(self.env.orphan_check_s, self._check_parent)
         interval = self.env.heartbeat_interval_s

@@ -177,7 +177,7 @@ class Hosts:
             if record is None or self._local is None or not self._local.alive():
                 env = AgentEnv(ctrl.address, ctrl.signer.key.hex(), os.getpid(), ctrl.channel.shm_run_id or "",
                                config.orphan_check_s, config.heartbeat_interval_s,
-                               relay_heartbeats=config.heartbeats_via_agents)
+                               relay_heartbeats=config.heartbeats_via_agents, link_procs=config.messages_via_agents)
                 # the record first: the agent's hello may come before this thread runs again (a
                 # thread importing torch holds the GIL for a second), and a hello without a record is dropped
                 record = self.records[LOCAL] = HostRecord(LOCAL, detail={
@@ -283,7 +283,8 @@ class Hosts:
             "run_id": ctrl.run_id, "name": name, "time": time.time(), "nonce": nonce, "sealed_key": sealed,
             "heartbeat_interval_s": config.heartbeat_interval_s, "hang_timeout_s": config.hang_timeout_s,
             "controller_timeout_s": controller_timeout_s(), "controller_host": socket.gethostname(),
-            "controller_pid": os.getpid(), "relay_heartbeats": config.heartbeats_via_agents}
+            "controller_pid": os.getpid(), "relay_heartbeats": config.heartbeats_via_agents,
+            "link_procs": config.messages_via_agents}
         with self._lock:
             record = self.records.get(name)
             if record is None:

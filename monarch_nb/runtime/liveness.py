@@ -87,6 +87,10 @@ class Liveness:
 
     # -- messages (IO thread) -------------------------------------------------------------------
     def on_hello(self, rec: ProcRecord, header: HelloHeader) -> None:
+        if header.get("linked"):  # casts to it go through its host agent; every message numbered
+            self.ctrl.channel.route_via(rec.identity, rec.host, header["pid"])
+        else:
+            self.ctrl.channel.route_direct(rec.identity)
         rec.pid = header["pid"]
         rec.last_heartbeat = time.monotonic()
         rec.exit_info = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from ..actor.backend import Target
 from ..actor.future import Future
@@ -121,18 +121,15 @@ class Messenger:
             header["mx"] = [list(ext.labels), list(ext.sizes)]
         if port is not None:
             header["port"] = [port.owner, port.port_id]
-            for index, target in enumerate(targets):
-                if route_id(target.proc) not in self._failed:
-                    mi = message_extent[1][index] if message_extent is not None else index
-                    self._deliver(target.proc, {**header, "rank": target.rank, "mi": mi}, body, buffers)
+            self._deliver_many([(target.proc, {"rank": target.rank, "mi": message_extent[1][index] if message_extent is not None else index})
+                                for index, target in enumerate(targets) if route_id(target.proc) not in self._failed],
+                               header, body, buffers)
             return None
         if not want_reply:
-            for index, target in enumerate(targets):
-                if route_id(target.proc) not in self._failed:
-                    h: CallHeader = {**header, "rank": target.rank}
-                    if message_extent is not None:
-                        h["mi"] = message_extent[1][index]
-                    self._deliver(target.proc, h, body, buffers)
+            self._deliver_many([(target.proc, {"rank": target.rank} if message_extent is None else
+                                 {"rank": target.rank, "mi": message_extent[1][index]})
+                                for index, target in enumerate(targets) if route_id(target.proc) not in self._failed],
+                               header, body, buffers)
             return None
         return self._call(targets, header, body, buffers, extent, stream, message_extent, display=display)
 
@@ -158,9 +155,8 @@ class Messenger:
         if extra:
             header.update(extra)
         if not want_reply:
-            for target in targets:
-                if even_if_failed or route_id(target.proc) not in self._failed:
-                    self._deliver(target.proc, {**header, "rank": target.rank}, body, buffers)
+            self._deliver_many([(target.proc, {"rank": target.rank}) for target in targets
+                                if even_if_failed or route_id(target.proc) not in self._failed], header, body, buffers)
             return None
         future = self._call(targets, header, body, buffers, extent, False, None, even_if_failed)
         assert not isinstance(future, list)  # not a stream
@@ -196,15 +192,17 @@ class Messenger:
         header["reply_to"] = self.identity
         with self._lock:
             self._pending[cid] = pending
+        items: list[tuple[str, dict[str, Any]]] = []
         for index, target in enumerate(targets):
             failure = None if even_if_failed else self._failed.get(route_id(target.proc))
             if failure is not None:
                 self._complete(cid, index, error=self._proc_error(pending, target, failure))
                 continue
-            h: CallHeader = {**header, "idx": index, "rank": target.rank}
+            fields = {"idx": index, "rank": target.rank}
             if message_extent is not None:
-                h["mi"] = message_extent[1][index]
-            self._deliver(target.proc, h, body, buffers)
+                fields["mi"] = message_extent[1][index]
+            items.append((target.proc, fields))
+        self._deliver_many(items, header, body, buffers)
         if not targets and future is not None:
             future._inner.set_result(ValueMesh(extent, []) if extent is not None else None)
         if streams is not None:
@@ -220,6 +218,23 @@ class Messenger:
             local(header, body, buffers)
         else:
             self.channel.send(dst, header, body, buffers)
+
+    def _deliver_many(self, items: list[tuple[str, dict[str, Any]]], header: CallHeader, body: bytes,
+                      buffers: list[memoryview]) -> None:
+        """Deliver ``header`` plus each target's own fields (rank, idx, mi) to each ``(proc,
+        fields)``: local actors directly, the rest in one :meth:`Channel.send_many` (one message
+        per host agent where the procs are linked to theirs)."""
+        remote = []
+        for dst, fields in items:
+            if dst in self.local:
+                self._deliver(dst, cast(CallHeader, {**header, **fields}), body, buffers)
+            else:
+                remote.append((dst, fields))
+        if len(remote) == 1:
+            dst, fields = remote[0]
+            self.channel.send(dst, cast(CallHeader, {**header, **fields}), body, buffers)
+        elif remote:
+            self.channel.send_many(remote, header, body, buffers)
 
     def _forget(self, cid: str) -> None:
         with self._lock:

@@ -52,6 +52,7 @@ from .actors import ActorRunner
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
 from .heartbeat_relay import HeartbeatSender
+from .proc_link import link_to_agent
 from .protocol import (CONTROLLER, CallHeader, FailedProc, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
                        LogLevelHeader, PeerHeader, ProcEnv, ProcsFailedHeader, RendezvousHeader)
 
@@ -349,6 +350,10 @@ class Proc:
         self.channel.connect(self.env.controller, trust)
         self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
         hello: HelloHeader = {"kind": Kind.HELLO, "pid": os.getpid()}
+        link = link_to_agent(self.env.agent_link, self.identity_route) if self.env.agent_link else None
+        if link is not None:  # the controller's messages come through the host agent (see proc_link)
+            self.channel.add_link(link)
+            hello["linked"] = True
         self.channel.send(CONTROLLER, hello)
         self.channel.run_forever()
 

@@ -203,7 +203,11 @@ class FaultHeader(Header):
     params: dict[str, Any]
 
 
-class HelloHeader(Header):
+class _HelloFlags(TypedDict, total=False):
+    linked: bool  # linked to its host agent: the controller's messages for it go through the agent
+
+
+class HelloHeader(Header, _HelloFlags):
     pid: int
 
 
@@ -253,6 +257,7 @@ class AttachHeader(Header):
     controller_host: str  # the controller's machine (hostname) and pid, for the worker's log
     controller_pid: int
     relay_heartbeats: bool  # the agent relays its procs' heartbeats (config.heartbeats_via_agents)
+    link_procs: bool  # the agent passes the controller's messages on to its procs (config.messages_via_agents)
 
 
 class AttachedHeader(Header, total=False):
@@ -415,6 +420,8 @@ class ProcEnv:
             see :mod:`.workspace_files`.
         heartbeat_dir: the host agent's folder of heartbeat files (see :mod:`.heartbeat_relay`;
             "": the proc heartbeats to the controller).
+        agent_link: the host agent's link for the controller's messages (``ipc://...``, see
+            :mod:`.proc_link`; "": they come straight from the controller).
         extra: further variables, verbatim (per-rank device visibility, MASTER_ADDR, ...).
     """
 
@@ -436,6 +443,7 @@ class ProcEnv:
     curve_dir: str = ""
     workspace: str = ""
     heartbeat_dir: str = ""
+    agent_link: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def to_env(self) -> dict[str, str]:
@@ -467,6 +475,8 @@ class ProcEnv:
             env[_PREFIX + "WORKSPACE"] = self.workspace
         if self.heartbeat_dir:
             env[_PREFIX + "HEARTBEAT_DIR"] = self.heartbeat_dir
+        if self.agent_link:
+            env[_PREFIX + "AGENT_LINK"] = self.agent_link
         return env
 
     def to_json(self) -> dict[str, Any]:
@@ -502,6 +512,7 @@ class ProcEnv:
             curve_dir=_read(environ, "CURVE_DIR", ""),
             workspace=_read(environ, "WORKSPACE", ""),
             heartbeat_dir=_read(environ, "HEARTBEAT_DIR", ""),
+            agent_link=_read(environ, "AGENT_LINK", ""),
         )
 
 
@@ -537,6 +548,7 @@ class AgentEnv:
     iface: str = "lo"
     status_path: str = ""
     relay_heartbeats: bool = True
+    link_procs: bool = True
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -551,6 +563,7 @@ class AgentEnv:
             _PREFIX + "IFACE": self.iface,
             _PREFIX + "STATUS_PATH": self.status_path,
             _PREFIX + "RELAY_HEARTBEATS": "1" if self.relay_heartbeats else "0",
+            _PREFIX + "LINK_PROCS": "1" if self.link_procs else "0",
         }
 
     @classmethod
@@ -572,6 +585,7 @@ class AgentEnv:
             iface=_read(environ, "IFACE", "lo"),
             status_path=_read(environ, "STATUS_PATH", ""),
             relay_heartbeats=_read(environ, "RELAY_HEARTBEATS", "1") == "1",
+            link_procs=_read(environ, "LINK_PROCS", "1") == "1",
         )
 
 

@@ -288,6 +288,7 @@ class WorkerLoop:
                 controller_timeout_s=float(header.get("controller_timeout_s", 5.0)),
                 curve_dir=self.trust.curve_dir, iface=iface, status_path=self._status.name,
                 relay_heartbeats=bool(header.get("relay_heartbeats", True)),
+                link_procs=bool(header.get("link_procs", True)),
             )
             self.agent = self._start_agent(wanted.name, env)
             self.attachment = wanted

@@ -25,6 +25,22 @@ The controller's channel is a ROUTER bound to an address; procs and host agents 
 DEALER whose routing identity is their name. Identities may carry an incarnation after ``#``
 (``"pm0.3#4211"``); routing uses the part before it, so a restarted proc takes over its name
 (ROUTER_HANDOVER) while the replay guard keeps each incarnation's sequence apart.
+
+Casts through host agents (:meth:`Channel.send_many`): a message for several procs linked to
+the same host agent (:meth:`Channel.route_via`) is sent once, to the agent (a first frame
+``@ROUTE,ROUTE...`` that the agent reads; the signed message passed on unread, see
+:mod:`monarch_nb.runtime.proc_link`); the header's ``fan`` maps each route to that proc's own
+fields. A message for one proc still goes straight to it (no extra hop on a ``call_one``), as
+does a message another peer sends it through the controller. Two paths must not change the order
+in which the controller's socket sends a proc its messages (the controller's own and those it
+passes on from peers: before the link they shared one pipe, and code relies on that, e.g. a
+spawn the controller sent before a peer's call to the new actor), so the controller numbers every
+message for a linked proc, per proc from 1, with the proc's incarnation: a cast in its signed
+``fan`` fields (``pseq``), a message straight to the proc in a frame before it (``^INC:N``, put
+there by the controller's socket, as the routing frames are). The proc delivers them in that
+order (:meth:`Channel._in_order`): one that overtook an earlier one waits for it; a number
+already delivered, or another incarnation's, is dropped. A proc reads its agent's link as a
+second socket of its loop (:meth:`Channel.add_link`).
 """
 
 from __future__ import annotations
@@ -107,6 +123,37 @@ _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLI
 _IO_RECHECK_S = 0.02
 
 
+#: Numbered messages a proc keeps while it waits for an earlier one (one that came by the slower path).
+_MAX_HELD = 100_000
+
+
+class _LinkedProc:
+    """A proc linked to its host agent, as the controller's channel knows it (under the channel's
+    lock): its route, its agent's routing frame, its incarnation, the last number sent to it."""
+
+    __slots__ = ("route", "agent", "incarnation", "sent")
+
+    def __init__(self, route: str, agent: bytes, incarnation: int) -> None:
+        self.route, self.agent, self.incarnation, self.sent = route, agent, incarnation, 0
+
+    def number(self) -> int:
+        """The next message's number (call under the channel's lock, as it is sent)."""
+        self.sent += 1
+        return self.sent
+
+    def stamp(self) -> bytes:
+        """The frame before a message sent straight to the proc: ``^INCARNATION:NUMBER``."""
+        return b"^%d:%d" % (self.incarnation, self.number())
+
+
+def _parse_stamp(frame: bytes) -> tuple[int, int] | None:
+    incarnation, _, number = frame[1:].partition(b":")
+    try:
+        return int(incarnation), int(number)
+    except ValueError:
+        return None
+
+
 def _is_route(frame: bytes) -> bool:
     """A destination frame (a routing identity), not a message envelope."""
     return type(frame) is bytes and len(frame) < 256 and not (frame.startswith(MAGIC) and len(frame) > 40)
@@ -150,6 +197,17 @@ class Channel:
         self._readers: dict[int, Callable[[int], None]] = {}
         self._readers_version = 0
         self._route_frames: dict[str, bytes] = {}
+        self._via: dict[str, _LinkedProc] = {}  # ROUTER: linked procs by route
+        self._links: list[zmq.Socket[Any]] = []  # DEALER: its host agent's link (received from like the socket)
+        # DEALER: the controller's numbered messages (pseq), delivered in order: this incarnation, the next
+        # number, and those that came early (through the other path), by number
+        _, _, incarnation = identity.partition("#")
+        self._incarnation = int(incarnation) if incarnation.isdigit() else -1
+        self._next_pseq = 1
+        self._held: dict[int, tuple[Header, memoryview, list[memoryview], list[Any]]] = {}
+        #: DEALER: ``on_routed(routes, frames)`` for a message the hub routed through this endpoint
+        #: (a host agent: forward ``frames`` unread to the procs ``routes``); None: such frames are dropped
+        self.on_routed: Callable[[list[bytes], list[Any]], None] | None = None
         self._peers: set[bytes] = set()  # ROUTER: identities that sent a verified message (forward targets)
         self._own_route = route_id(identity).encode()
         self._timers: list[list[Any]] = []  # [next_due, interval_s, fn, phase_s or None]
@@ -166,6 +224,7 @@ class Channel:
         self.dropped: collections.Counter[str] = collections.Counter()  # reason -> count
         self.received: collections.Counter[str] = collections.Counter()  # kind -> verified messages handed on
         self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
+        self.sent_via_agents = 0  # ROUTER: messages sent through a host agent (a cast to N procs of a host: one)
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
@@ -228,14 +287,73 @@ class Channel:
         header["dst"] = dst
         if self.shm_run_id and buffers:
             buffers = self._export_large(header, buffers, self.shm_run_id)
+        linked = self._via.get(route_id(dst)) if self._via else None
         with self._lock:
             self._seq += 1
             header["seq"] = self._seq
             frames = encode(self._signer, header, body, buffers)
             # a ROUTER's first frame routes; a DEALER's names the destination, so that the hub can
             # forward the message to another peer without reading it (the receiver verifies it)
-            frames.insert(0, self._route_frame(dst))
+            if linked is not None:
+                frames[:0] = (self._route_frame(dst), linked.stamp())
+            else:
+                frames.insert(0, self._route_frame(dst))
             self._send_locked(frames)
+
+    def send_many(self, items: Sequence[tuple[str, dict[str, Any]]], header: Header, body: bytes = b"",
+                  buffers: Sequence[Any] = ()) -> None:
+        """Send ``header`` (plus each destination's own fields) with ``body`` to each ``(dst,
+        fields)`` of ``items``, as :meth:`send` would one by one; the destinations reached
+        through the same host agent get one message, signed once (``fan``: route -> fields),
+        which the agent passes to each of them. Thread-safe; never blocks on the network."""
+        groups: dict[bytes, list[tuple[_LinkedProc, dict[str, Any]]]] = {}
+        for dst, fields in items:
+            linked = self._via.get(route_id(dst)) if self._via else None
+            if linked is None:
+                self.send(dst, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]  # a kind's own fields
+            else:
+                groups.setdefault(linked.agent, []).append((linked, fields))
+        for agent, members in groups.items():
+            if len(members) == 1:
+                linked, fields = members[0]
+                self.send(linked.route, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]
+                continue
+            fan: Header = {**header, "src": self.identity, "dst": agent.decode()}
+            with self._lock:
+                self._seq += 1
+                fan["seq"] = self._seq
+                fan["fan"] = {linked.route: {**fields, "pseq": [linked.incarnation, linked.number()]} for linked, fields in members}
+                frames = encode(self._signer, fan, body, buffers)
+                self.sent_via_agents += 1
+                frames[:0] = [agent, b"@" + b",".join(linked.route.encode() for linked, _ in members)]
+                self._send_locked(frames)
+
+    def route_via(self, dst: str, agent: str, incarnation: int) -> None:
+        """``dst``'s incarnation ``incarnation`` (its pid) is linked to host ``agent``: casts to it
+        and its host's other procs go through the agent, and every message for it is numbered
+        (ROUTER). Call it before the first message to that incarnation (at its hello)."""
+        route = route_id(dst)
+        self._via[route] = _LinkedProc(route, route_id(agent).encode(), incarnation)
+
+    def routed_via(self, dst: str) -> str | None:
+        """The host agent that casts to ``dst`` go through, or None (not linked)."""
+        linked = self._via.get(route_id(dst))
+        return linked.agent.decode() if linked is not None else None
+
+    @property
+    def held(self) -> int:
+        """Numbered messages waiting here for an earlier one (DEALER of a linked proc)."""
+        return len(self._held)
+
+    def route_direct(self, dst: str) -> None:
+        """``dst``'s new incarnation is not linked: every message straight to it, unnumbered."""
+        self._via.pop(route_id(dst), None)
+
+    def add_link(self, sock: "zmq.Socket[Any]") -> None:
+        """Receive from ``sock`` (a connected DEALER: the host agent's link) as from the channel's
+        own socket: verified, replay-guarded, dispatched on the leading thread. Before :meth:`start`."""
+        self._links.append(sock)
+        self._readers_version += 1
 
     def _route_frame(self, dst: str) -> bytes:
         frame = self._route_frames.get(dst)
@@ -262,8 +380,10 @@ class Channel:
 
     def forward(self, dst: str, frames: list[Any]) -> None:
         """Send already-signed ``frames`` (a message from another peer) to ``dst`` (ROUTER only)."""
+        route = route_id(dst)
+        linked = self._via.get(route) if self._via else None
         with self._lock:
-            self._send_locked([route_id(dst).encode(), *frames])
+            self._send_locked([route.encode(), linked.stamp(), *frames] if linked is not None else [route.encode(), *frames])
 
     def _send_locked(self, frames: list[Any]) -> None:
         if self.muted_until and time.monotonic() < self.muted_until:
@@ -394,6 +514,8 @@ class Channel:
             poller = select.poll()
             poller.register(int(self._sock.getsockopt(zmq.FD)), select.POLLIN)
             poller.register(self._wake_r, select.POLLIN)
+            for link in self._links:
+                poller.register(int(link.getsockopt(zmq.FD)), select.POLLIN)
             for fd in tuple(self._readers):
                 poller.register(fd, select.POLLIN)
             local.poller, local.version = poller, version
@@ -404,6 +526,8 @@ class Channel:
         with self._lock:
             if self._closed.is_set():
                 return False
+            if any(int(link.getsockopt(_EVENTS)) & _POLLIN for link in self._links):
+                return True
             return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -413,6 +537,11 @@ class Channel:
             log.exception("handler %r failed; the IO loop goes on", fn)
 
     def _receive_all(self) -> None:
+        self._receive_socket()
+        for link in self._links:
+            self._receive_link(link)
+
+    def _receive_socket(self) -> None:
         for _ in range(64):  # bounded so timers and readers are not starved
             with self._lock:
                 if self._closed.is_set():
@@ -436,30 +565,103 @@ class Channel:
                     dst, frames = frames[0], frames[1:]
                     if dst != self._own_route and dst in self._peers:
                         self.forwarded += 1  # another peer's: pass it on unread (the receiver verifies it)
+                        linked = self._via.get(dst.decode()) if self._via else None
                         with self._lock:
-                            self._send_locked([dst, *frames])
+                            self._send_locked([dst, linked.stamp(), *frames] if linked is not None else [dst, *frames])
                         continue
-            try:
-                header, body, buffers = decode(self._signer, frames)
-            except BadMessage as exc:
-                self.dropped["bad"] += 1
-                log.warning("dropped a bad message: %s", exc)
+            elif len(frames) >= 2 and type(frames[0]) is bytes and frames[0][:1] in (b"@", b"^"):
+                if frames[0][:1] == b"^":  # a linked proc: the controller's number for this message
+                    self._handle(frames[1:], None, _parse_stamp(frames[0]))
+                elif self.on_routed is None:
+                    self.dropped["routed"] += 1
+                else:  # a host agent: a cast for procs of ours
+                    self._guarded(self.on_routed, frames[0][1:].split(b","), frames[1:])
                 continue
-            if not self._guard.accept(header):
-                self.dropped["replayed"] += 1
-                log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
-                continue
-            if sender is not None:
-                self._peers.add(sender)
-            self.received[header["kind"]] += 1
-            if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
+            self._handle(frames, sender)
+
+    def _receive_link(self, link: "zmq.Socket[Any]") -> None:
+        for _ in range(64):
+            with self._lock:
+                if self._closed.is_set() or not int(link.getsockopt(_EVENTS)) & _POLLIN:
+                    return
                 try:
-                    buffers = self._import_large(header, buffers)
-                except (OSError, ValueError, TypeError) as exc:
-                    self.dropped["bad"] += 1
-                    log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
-                    continue
-            self._guarded(self._on_message, header, body, buffers, frames)
+                    frames: list[Any] = link.recv_multipart(_NOBLOCK, copy=False)
+                except zmq.ZMQError:
+                    return
+            frames[0] = frames[0].bytes  # the envelope (small); buffers stay zero-copy frames
+            self._handle(frames, None)
+        self._wake()  # more waiting: look again before sleeping
+
+    def _handle(self, frames: list[Any], sender: bytes | None, order: tuple[int, int] | None = None) -> None:
+        """Verify, replay-guard and dispatch one message (receiving thread); ``order``: the
+        controller's ``(incarnation, number)`` for it (a linked proc's message straight from the
+        controller's socket; a cast's is in its ``fan`` fields)."""
+        try:
+            header, body, buffers = decode(self._signer, frames)
+        except BadMessage as exc:
+            self.dropped["bad"] += 1
+            log.warning("dropped a bad message: %s", exc)
+            return
+        fan = header.pop("fan", None)  # a message to several procs of a host: take ours
+        if fan is not None:
+            own = self._own_route.decode()
+            fields = fan.get(own) if isinstance(fan, dict) else None
+            if fields is None:
+                self.dropped["not ours"] += 1
+                return
+            pseq = fields.pop("pseq", None) if isinstance(fields, dict) else None
+            if isinstance(pseq, list) and len(pseq) == 2 and all(type(v) is int for v in pseq):
+                order = (pseq[0], pseq[1])
+            header.update(fields)  # type: ignore[typeddict-item]  # a kind's own fields (rank, idx, mi)
+            header["dst"] = own  # as a message of its own to us would say
+        if order is not None:
+            self._in_order(order, header, body, buffers, frames)
+            return
+        self._accept(header, body, buffers, frames, sender)
+
+    def _accept(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any],
+                sender: bytes | None = None) -> None:
+        if not self._guard.accept(header):
+            self.dropped["replayed"] += 1
+            log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
+            return
+        if sender is not None:
+            self._peers.add(sender)
+        self._dispatch(header, body, buffers, frames)
+
+    def _in_order(self, order: tuple[int, int], header: Header, body: memoryview, buffers: list[memoryview],
+                  frames: list[Any]) -> None:
+        """Deliver the messages the controller's socket numbered for this proc in their order,
+        whichever path each came by (straight, or a cast through the host agent); drop one
+        already delivered, or another incarnation's (sent before this one's hello was heard)."""
+        incarnation, number = order
+        if incarnation != self._incarnation or number < self._next_pseq:
+            self.dropped["replayed" if incarnation == self._incarnation else "other incarnation"] += 1
+            return
+        if number > self._next_pseq:  # an earlier one is on its way by the other path
+            if len(self._held) >= _MAX_HELD:
+                self.dropped["held"] += 1
+                log.warning("dropped a message from %r: %d already wait for an earlier one", header.get("src"), _MAX_HELD)
+                return
+            self._held[number] = (header, body, buffers, frames)
+            return
+        self._next_pseq += 1
+        self._accept(header, body, buffers, frames)
+        while self._next_pseq in self._held:
+            held = self._held.pop(self._next_pseq)
+            self._next_pseq += 1
+            self._accept(*held)
+
+    def _dispatch(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any]) -> None:
+        self.received[header["kind"]] += 1
+        if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
+            try:
+                buffers = self._import_large(header, buffers)
+            except (OSError, ValueError, TypeError) as exc:
+                self.dropped["bad"] += 1
+                log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
+                return
+        self._guarded(self._on_message, header, body, buffers, frames)
 
     def _recv_frames(self) -> list[Any]:
         """One message's frames (socket lock held): the envelope (and a ROUTER's identity) as
@@ -502,6 +704,8 @@ class Channel:
             self._thread.join(join_timeout_s)
         with self._lock:
             self._sock.close(linger=500)
+            for link in self._links:
+                link.close(linger=0)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -61,6 +61,7 @@ class Header(_KindField, total=False):
     seq: int  # the sender's sequence number (the replay guard's)
     nbuf: list[int]  # the byte sizes of the out-of-band buffers
     shm: list[list[Any]]  # [buffer index, shared-memory name, bytes] of buffers sent through /dev/shm
+    fan: dict[str, dict[str, Any]]  # one message for several procs of a host: route -> that proc's own fields
 
 
 def _encode_header(header: Header) -> bytes:

@@ -1,0 +1,129 @@
+"""The link between a host agent and its procs: the controller's casts to them, passed on unread.
+
+A message of the controller's for several procs of one host (a ``broadcast``, a call to all, a
+spawn) is sent once, to the host agent (:meth:`~monarch_nb.transport.channel.Channel.send_many`),
+which passes it on to each: one message over the network and one send of the controller's per
+host, not per proc. A message for one proc (``call_one``) still goes straight to it, as do the
+procs' own messages (replies, calls to other actors); the controller numbers what it sends a
+linked proc, so the two paths keep their order (see :mod:`monarch_nb.transport.channel`).
+
+The agent binds a ROUTER on a Unix socket in its run folder (:class:`AgentLink`); a proc connects
+a DEALER under its routing identity (:func:`link_to_agent`), says ``link`` and waits for the
+agent's ``linked`` before its hello to the controller, so the agent can route to it from the
+controller's first cast. The agent reads only the routing frame (``@ROUTE,ROUTE...``) the
+controller put before the signed message; each proc verifies the signature as for a message on
+its own socket (:meth:`~monarch_nb.transport.channel.Channel.add_link`). A message for a proc that
+is gone (exited, not linked yet) is dropped and counted, as the controller's ROUTER drops one for
+a peer it does not know.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import zmq
+
+__all__ = ["AgentLink", "link_to_agent", "LINK_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a proc waits for its agent's ``linked`` before it goes without the link.
+LINK_TIMEOUT_S = 5.0
+_LINK, _LINKED = b"link", b"linked"
+_SOCKET_NAME = "procs.sock"
+_MAX_UNIX_PATH = 100  # sun_path is 108 bytes on Linux
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
+
+class AgentLink:
+    """The agent's end: a ROUTER its procs connect to (IO thread only).
+
+    Args:
+        folder: the agent's run folder (private to the user); the socket file goes in it.
+        enabled: False (``config.messages_via_agents`` off): no socket; the procs get the
+            controller's messages straight from it.
+
+    Attributes:
+        address: ``ipc://<folder>/procs.sock``, or "" when the path is too long for a Unix
+            socket (the procs then get the controller's messages straight from it).
+        forwarded: messages passed on to a proc.
+        unreachable: messages for a proc not connected (gone, or not linked yet): dropped.
+    """
+
+    def __init__(self, folder: str, *, enabled: bool = True) -> None:
+        self.forwarded = 0
+        self.unreachable = 0
+        path = os.path.join(folder, _SOCKET_NAME)
+        self.address = f"ipc://{path}" if enabled and len(path) <= _MAX_UNIX_PATH else ""
+        self.sock: zmq.Socket[Any] | None = None
+        if not self.address:
+            if enabled:
+                log.warning("the procs' link to this agent is off: %s is too long for a Unix socket", path)
+            return
+        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock = sock
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a proc not connected raises: counted, not queued
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted proc takes over its name
+        sock.bind(self.address)
+
+    @property
+    def fd(self) -> int:
+        """The socket's ZMQ_FD, for the agent's loop (``Channel.add_reader``); -1 when off."""
+        return int(self.sock.getsockopt(zmq.FD)) if self.sock is not None else -1
+
+    def on_readable(self, fd: int = -1) -> None:
+        """Answer every ``link`` waiting (a proc that just connected)."""
+        sock = self.sock
+        while sock is not None and int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            try:
+                frames = sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            if frames[1:] == [_LINK]:
+                try:
+                    sock.send_multipart([frames[0], _LINKED])
+                except zmq.ZMQError:  # gone again already
+                    self.unreachable += 1
+
+    def forward(self, routes: list[bytes], frames: list[Any]) -> None:
+        """Pass ``frames`` (a signed message, unread) to each proc of ``routes``."""
+        sock = self.sock
+        if sock is None:
+            self.unreachable += len(routes)
+            return
+        for route in routes:
+            try:
+                sock.send_multipart([route, *frames], copy=False)
+                self.forwarded += 1
+            except zmq.ZMQError:  # EHOSTUNREACH: not connected (exited; a new incarnation links before its hello)
+                self.unreachable += 1
+        if int(sock.getsockopt(_EVENTS)) & _POLLIN:  # a send may take the socket's edge: read what came meanwhile
+            self.on_readable()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+
+def link_to_agent(address: str, route: str, timeout_s: float = LINK_TIMEOUT_S) -> "zmq.Socket[Any] | None":
+    """Connect proc ``route`` to its agent's link at ``address``; the connected DEALER once the
+    agent answered, or None (logged) if it did not within ``timeout_s`` seconds: the proc then
+    says so in its hello and the controller's messages come straight to it."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.IDENTITY, route.encode())
+    sock.connect(address)
+    sock.send(_LINK)
+    if sock.poll(int(timeout_s * 1000)) and sock.recv() == _LINKED:
+        return sock
+    log.warning("proc %s: no answer from its host agent's link %s in %.0f s; the controller's messages "
+                "come straight to it", route, address, timeout_s)
+    sock.close(linger=0)
+    return None

@@ -1,0 +1,212 @@
+"""The controller's messages through a host agent (monarch_nb.runtime.proc_link): real ZeroMQ
+sockets (a controller's ROUTER, an agent's DEALER and link, procs' DEALERs and links) in one
+process, no worker processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+import zmq
+
+from monarch_nb.runtime.proc_link import AgentLink, link_to_agent
+from monarch_nb.transport.channel import Channel
+from monarch_nb.transport.wire import Signer, encode
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("not true within the deadline")
+        time.sleep(0.005)
+
+
+class Inbox:
+    """A channel's received messages: ``(kind, header)`` in arrival order."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, header: Any, body: memoryview, buffers: list, frames: list) -> None:
+        with self.lock:
+            self.items.append({**header, "body": bytes(body)})
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [h for h in self.items if h["kind"] == kind]
+
+
+class Gate:
+    """The agent's ``on_routed``: passes casts on, or holds them while closed (a slow agent); the
+    first cast after it opens passes the held ones first (all on the agent's IO thread)."""
+
+    def __init__(self, link: AgentLink) -> None:
+        self.link, self.open, self.waiting = link, threading.Event(), []
+        self.open.set()
+
+    def __call__(self, routes: list[bytes], frames: list) -> None:
+        if not self.open.is_set():
+            self.waiting.append((routes, frames))
+            return
+        for held in self.waiting:
+            self.link.forward(*held)
+        self.waiting.clear()
+        self.link.forward(routes, frames)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A controller, one host agent with its link, procs pm0.0 and pm0.1 linked to it and pm0.2
+    not linked; each has said hello, so the controller's ROUTER knows them."""
+    signer = Signer(KEY)
+    inbox: dict[str, Inbox] = {name: Inbox() for name in ("controller", "host0", "pm0.0", "pm0.1", "pm0.2")}
+    controller = Channel("controller", signer, inbox["controller"], router=True)
+    address = controller.bind(f"ipc://{tmp_path}/ctl")
+    controller.start()
+    agent = Channel("host0#1", signer, inbox["host0"])
+    link = AgentLink(str(tmp_path))
+    agent.on_routed = gate = Gate(link)
+    agent.add_reader(link.fd, link.on_readable)
+    agent.connect(address)
+    agent.start()
+    procs: dict[str, Channel] = {}
+    channels = [controller, agent]
+    try:
+        agent.send("controller", {"kind": "agent_hello"})
+        for rank in range(3):
+            name = f"pm0.{rank}"
+            proc = procs[name] = Channel(f"{name}#{100 + rank}", signer, inbox[name])
+            channels.append(proc)
+            if rank < 2:
+                sock = link_to_agent(link.address, name, timeout_s=5)
+                assert sock is not None, "the agent answered the link"
+                proc.add_link(sock)
+            proc.connect(address)
+            proc.start()
+            proc.send("controller", {"kind": "hello"})
+        wait_for(lambda: len(inbox["controller"].items) == 4)
+        controller.route_via("pm0.0", "host0", 100)
+        controller.route_via("pm0.1", "host0", 101)
+        yield controller, link, procs, inbox, gate
+    finally:
+        for channel in channels:
+            channel.close()
+        link.close()
+
+
+def test_a_cast_to_the_procs_of_a_host_is_one_message_through_its_agent(cluster):
+    controller, link, procs, inbox, gate = cluster
+    controller.send_many([(f"pm0.{r}", {"rank": r, "idx": r}) for r in range(3)], {"kind": "call", "actor": "a", "ep": "f"},
+                         b"the body")
+    wait_for(lambda: all(inbox[f"pm0.{r}"].of_kind("call") for r in range(3)))
+    for rank in range(3):
+        [got] = inbox[f"pm0.{rank}"].of_kind("call")
+        assert (got["rank"], got["idx"], got["body"], got["ep"]) == (rank, rank, b"the body", "f"), got
+        assert got["dst"] == f"pm0.{rank}" and "fan" not in got
+    assert controller.sent_via_agents == 1, "pm0.0 and pm0.1 in one message; pm0.2 (not linked) straight"
+    assert link.forwarded == 2 and link.unreachable == 0
+    assert not inbox["host0"].items, "the agent passed it on unread"
+
+
+def test_a_message_that_overtakes_a_cast_waits_for_it(cluster):
+    """A cast goes through the agent, a message to one proc straight to it: the later one may
+    arrive first, and waits (in the proc's channel) until the cast is delivered."""
+    controller, link, procs, inbox, gate = cluster
+    gate.open.clear()  # the agent is slow
+    controller.send_many([("pm0.0", {"n": 1}), ("pm0.1", {"n": 1})], {"kind": "call"})
+    wait_for(lambda: len(gate.waiting) == 1)
+    controller.send("pm0.0", {"kind": "call", "n": 2})
+    wait_for(lambda: procs["pm0.0"].held == 1)
+    assert not inbox["pm0.0"].of_kind("call"), "n=2 waits for n=1"
+    gate.open.set()
+    controller.send_many([("pm0.0", {"n": 3}), ("pm0.1", {"n": 3})], {"kind": "call"})
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 3 and len(inbox["pm0.1"].of_kind("call")) == 2)
+    assert [h["n"] for h in inbox["pm0.0"].of_kind("call")] == [1, 2, 3]
+    assert [h["n"] for h in inbox["pm0.1"].of_kind("call")] == [1, 3]
+    assert procs["pm0.0"].held == 0 and not procs["pm0.0"].dropped
+
+
+def test_a_peers_message_passed_on_after_a_cast_waits_for_the_cast(cluster):
+    """The controller's socket keeps the order in which it sends a proc its own messages and
+    those it passes on from peers (before the link they shared one pipe): a peer's call to an
+    actor the controller just spawned by a cast must not find it missing."""
+    controller, link, procs, inbox, gate = cluster
+    gate.open.clear()
+    controller.send_many([("pm0.0", {"n": 1}), ("pm0.1", {"n": 1})], {"kind": "spawn"})
+    wait_for(lambda: len(gate.waiting) == 1)
+    procs["pm0.2"].send("pm0.0", {"kind": "call", "n": 2})  # through the controller's hub
+    wait_for(lambda: procs["pm0.0"].held == 1)
+    assert not inbox["pm0.0"].items
+    gate.open.set()
+    controller.send_many([("pm0.0", {"n": 3}), ("pm0.1", {"n": 3})], {"kind": "call"})
+    wait_for(lambda: len(inbox["pm0.0"].items) == 3)
+    assert [(h["kind"], h["n"], h["src"]) for h in inbox["pm0.0"].items] == [
+        ("spawn", 1, "controller"), ("call", 2, "pm0.2#102"), ("call", 3, "controller")]
+
+
+def test_a_message_numbered_for_another_incarnation_is_dropped(cluster):
+    """Sent to a proc's name before its new incarnation's hello was heard: not for this one."""
+    controller, link, procs, inbox, gate = cluster
+    controller.route_via("pm0.0", "host0", 99)  # what the controller believes
+    controller.send("pm0.0", {"kind": "call"})
+    wait_for(lambda: procs["pm0.0"].dropped["other incarnation"] == 1)
+    controller.route_via("pm0.0", "host0", 100)  # its hello
+    controller.send("pm0.0", {"kind": "call", "n": 1})
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 1)
+    assert inbox["pm0.0"].of_kind("call")[0]["n"] == 1
+
+
+def test_the_controllers_messages_to_a_linked_proc_keep_their_order(cluster):
+    """FIFO from the controller to a proc across its single messages (straight) and casts
+    (through the agent)."""
+    controller, link, procs, inbox, gate = cluster
+    for n in range(300):
+        if n % 3:
+            controller.send("pm0.0", {"kind": "call", "n": n})
+        else:
+            controller.send_many([("pm0.0", {"n": n}), ("pm0.1", {"n": n})], {"kind": "call"})
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 300)
+    assert [h["n"] for h in inbox["pm0.0"].of_kind("call")] == list(range(300))
+    assert [h["n"] for h in inbox["pm0.1"].of_kind("call")] == list(range(0, 300, 3))
+    assert not procs["pm0.0"].dropped and not procs["pm0.1"].dropped
+
+
+def test_a_forged_message_routed_through_the_agent_is_dropped_by_the_proc(cluster, tmp_path):
+    """Anyone who reaches the controller's hub can have a message routed through an agent; the
+    proc verifies it as any other (the agent reads only the routing frame)."""
+    controller, link, procs, inbox, gate = cluster
+    forger = zmq.Context.instance().socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.setsockopt(zmq.IDENTITY, b"forger")
+    forger.connect(f"ipc://{tmp_path}/ctl")
+    try:
+        forged = encode(Signer(b"another key of 32 bytes........."), {"kind": "stop", "src": "controller", "dst": "pm0.0", "seq": 10**9})
+        forger.send_multipart([b"host0", b"@pm0.0", *forged])
+        wait_for(lambda: procs["pm0.0"].dropped["bad"] == 1)
+    finally:
+        forger.close()
+    assert not inbox["pm0.0"].of_kind("stop")
+    controller.send("pm0.0", {"kind": "call"})  # and the path still works
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 1)
+
+
+def test_a_message_for_a_proc_that_is_not_linked_is_dropped_and_counted_by_the_agent(cluster):
+    controller, link, procs, inbox, gate = cluster
+    controller.route_via("pm0.9", "host0", 109)  # gone, or never linked
+    controller.send_many([("pm0.9", {"rank": 9}), ("pm0.1", {"rank": 1})], {"kind": "call"})
+    wait_for(lambda: link.unreachable == 1)
+    wait_for(lambda: len(inbox["pm0.1"].of_kind("call")) == 1)
+    assert inbox["pm0.1"].of_kind("call")[0]["rank"] == 1, "the agent goes on with the others"
+
+
+def test_a_link_that_no_agent_answers_is_given_up_on(tmp_path):
+    started = time.monotonic()
+    assert link_to_agent(f"ipc://{tmp_path}/nobody", "pm0.0", timeout_s=0.2) is None
+    assert time.monotonic() - started < 2.0
+    assert AgentLink(str(tmp_path), enabled=False).address == "", "config.messages_via_agents off: no link"
