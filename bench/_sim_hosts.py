@@ -1,6 +1,6 @@
 """bench/scale.py's simulated hosts: the host-agent protocol of many hosts, from one process.
 
-    python bench/_sim_hosts.py ADDRESS MESH HOSTS PER_HOST INTERVAL_S [--answer]   (the cluster key, hex, on stdin's first line)
+    python bench/_sim_hosts.py ADDRESS MESH HOSTS PER_HOST INTERVAL_S [--answer] [--linked]   (the cluster key, hex, on stdin's first line)
 
 Each simulated host is a ZeroMQ DEALER named like a host agent (``MESH-host<h>``, incarnation this
 pid), connected to the controller at ADDRESS, its messages signed with the cluster key as a real
@@ -14,7 +14,11 @@ SIGKILL, as an agent does on SIGCHLD), ``silence HOST`` (that host stops heartbe
 frozen or cut-off host), ``quit``. It prints ``ready`` once every hello is sent.
 
 With ``--answer`` the procs answer calls too (:class:`SimProcs`: a connection per proc, from one
-socket). Simulated, not real: the procs (no process; they exist as the controller's records, in
+socket). With ``--linked`` as well, the procs are linked to their agents (as real procs are,
+monarch_nb.runtime.proc_link): the controller sends their messages to the host's DEALER, one
+message per host for a cast or a call to all, and the simulated agent reads it once and answers
+for each of its procs named in it (the replies go from each proc's own connection, as real
+procs' do). Simulated, not real: the procs (no process; they exist as the controller's records, in
 their agent's heartbeat and, with ``--answer``, as connections that answer), their actors (a
 constructor returns None, every call 0), spawning, CurveZMQ.
 """
@@ -90,34 +94,49 @@ class SimProcs:
         self.total = len(identities)
 
     def serve(self) -> None:
-        """Answer every message waiting (never blocks)."""
+        """Answer every message waiting on the procs' own connections (never blocks)."""
         sock = self.sock
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(copy=False)
-            identity = bytes(frames[0]).decode()
             try:
                 header, _, _ = decode(self.signer, frames[1:])
             except BadMessage:
                 continue
-            if header.get("kind") not in (Kind.CALL, Kind.SPAWN):
-                continue  # proc_failed, rendezvous, stop, ...: nothing a trivial actor answers
-            if "cid" not in header:  # a broadcast: no reply wanted
-                self.cast_no[identity] += 1
-                n = self.cast_no[identity]
-                self.casts[n] = self.casts.get(n, 0) + 1
-                if self.casts[n] == self.total:
-                    print(f"cast {n} {time.monotonic()!r}", flush=True)
-                continue
-            self.seqs[identity] += 1
-            reply = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": True,
-                     "src": f"{identity}#{self.pid}", "dst": header["reply_to"], "seq": self.seqs[identity]}
-            body = _NONE if header["kind"] == Kind.SPAWN else _ZERO
-            sock.send_multipart([frames[0], *encode(self.signer, reply, body)])
+            self.answer(bytes(frames[0]).decode(), header)
+
+    def serve_routed(self, frames: list) -> None:
+        """A message the controller sent through a simulated agent (``@ROUTE[,ROUTE...]``, then
+        the signed frames): read once, answered for each proc named (its own fields from ``fan``)."""
+        try:
+            header, _, _ = decode(self.signer, frames[1:])
+        except BadMessage:
+            return
+        fan = header.pop("fan", None)
+        for route in bytes(frames[0])[1:].decode().split(","):
+            self.answer(route, {**header, **fan[route]} if fan is not None else header)
+
+    def answer(self, identity: str, header: dict) -> None:
+        """What proc ``identity`` with a trivial actor does with ``header``'s message."""
+        if header.get("kind") not in (Kind.CALL, Kind.SPAWN):
+            return  # proc_failed, rendezvous, stop, ...: nothing a trivial actor answers
+        if "cid" not in header:  # a broadcast: no reply wanted
+            self.cast_no[identity] += 1
+            n = self.cast_no[identity]
+            self.casts[n] = self.casts.get(n, 0) + 1
+            if self.casts[n] == self.total:
+                print(f"cast {n} {time.monotonic()!r}", flush=True)
+            return
+        self.seqs[identity] += 1
+        reply = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": True,
+                 "src": f"{identity}#{self.pid}", "dst": header["reply_to"], "seq": self.seqs[identity]}
+        body = _NONE if header["kind"] == Kind.SPAWN else _ZERO
+        self.sock.send_multipart([identity.encode(), *encode(self.signer, reply, body)])
 
 
 def main() -> int:
     address, mesh, hosts, per_host, interval_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     answer = "--answer" in sys.argv[6:]  # simulated procs that answer calls (SimProcs)
+    linked = "--linked" in sys.argv[6:]  # ... linked to their agents: the controller's messages come through them
     signer = Signer(bytes.fromhex(sys.stdin.readline().strip()))
     raise_fd_limit()
     ctx = zmq.Context()
@@ -145,6 +164,9 @@ def main() -> int:
     poller.register(sys.stdin.fileno(), zmq.POLLIN)
     if procs is not None:
         poller.register(procs.sock, zmq.POLLIN)
+        if linked:
+            for sock in socks.values():
+                poller.register(sock, zmq.POLLIN)
     print("ready", flush=True)
     silent: set[str] = set()
     start = time.monotonic()
@@ -159,11 +181,13 @@ def main() -> int:
                 due[name] += every_s
                 if name not in silent:
                     send(name, {"kind": Kind.AGENT_HEARTBEAT, "load": 0.1, "stopped": [], "heard": heard[name], "changed": {}})
-        if now >= next_drain:  # what the controller sends to attached hosts: read and dropped
+        if now >= next_drain or linked:  # what the controller sends to attached hosts: read and dropped
             next_drain = now + interval_s
             for sock in socks.values():
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    sock.recv_multipart()
+                    frames = sock.recv_multipart(copy=False)
+                    if procs is not None and bytes(frames[0])[:1] == b"@":  # for its procs (--linked)
+                        procs.serve_routed(frames)
         wait = max(0.0, min(due.values()) - time.monotonic())
         if procs is not None:
             procs.serve()

@@ -141,7 +141,8 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
 def _run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
     """Measure ``mode`` ("agents" or "direct") in a fresh controller process; its rows."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = dict(os.environ, MONARCH_NB_HEARTBEATS_VIA_AGENTS="1" if mode == "agents" else "0")
+        flag = "1" if mode == "agents" else "0"  # heartbeats and the controller's messages both
+        env = dict(os.environ, MONARCH_NB_HEARTBEATS_VIA_AGENTS=flag, MONARCH_NB_MESSAGES_VIA_AGENTS=flag)
         subprocess.run([sys.executable, __file__, "--procs", args.procs, "--calls", str(args.calls), "--idle-s", str(args.idle_s),
                         "--heartbeats", mode, "--rows-to", out.name], env=env, check=True)
         return json.loads(Path(out.name).read_text())
@@ -206,8 +207,10 @@ class _HostLostTimer:
         return self.figures if self._done.wait(timeout_s) else None
 
 
-def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20) -> dict:
-    """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py)."""
+def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20, via_agents: bool = True) -> dict:
+    """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py);
+    ``via_agents``: the procs are linked to their agents (the controller's messages go through
+    them, one per host for a cast or a call to all), as real procs are since issue 25's step 2."""
     from _sim_hosts import host_name, raise_fd_limit
 
     from monarch_nb.actor.mesh import ProcMesh
@@ -217,13 +220,13 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20)
 
     raise_fd_limit()
     ctrl = Controller.get()
-    mesh = f"sim{hosts}x{per_host}"
+    mesh = f"sim{hosts}x{per_host}{'a' if via_agents else 'd'}"  # a mesh of its own: no failure of an earlier run in its way
     names = [host_name(mesh, h) for h in range(hosts)]
     for name in names:  # as an attached host: judged for silence, sent the controller's heartbeats
         ctrl.hosts[name] = HostRecord(name, address="tcp://127.0.0.1:9")
         ctrl.host_agents._links[name] = {"address": "tcp://127.0.0.1:9", "trust": None}
     sim = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_sim_hosts.py"), ctrl.address, mesh, str(hosts),
-                            str(per_host), repr(config.heartbeat_interval_s), "--answer"],
+                            str(per_host), repr(config.heartbeat_interval_s), "--answer", *(["--linked"] if via_agents else [])],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     identities: list[str] = []
     try:
@@ -245,6 +248,8 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20)
             rec.ready.set()
             ctrl.procs[identity] = rec
             identities.append(identity)
+            if via_agents:  # what a linked proc's hello does
+                ctrl.channel.route_via(identity, names[h], rec.pid)
         ctrl.meshes[mesh] = ProcMeshRecord(mesh, Extent({"hosts": hosts, "gpus": per_host}), identities,
                                            supervision=SupervisionPolicy("isolate"))
         time.sleep(2.0)
@@ -283,12 +288,14 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20)
         ctrl.meshes.pop(mesh, None)
         for identity in identities:
             ctrl.procs.pop(identity, None)
+            ctrl.channel.route_direct(identity)
         for name in names:
             ctrl.hosts.pop(name, None)
             ctrl.host_agents._links.pop(name, None)
             ctrl.host_agents._reattaching.discard(name)
     agent_beats = max(messages, 1)  # an idle agent's heartbeats (IdleCadence), all the controller received
-    return {"hosts": hosts, "procs": hosts * per_host, "controller_cpu_idle_pct": 100 * cpu / wall,
+    return {"hosts": hosts, "procs": hosts * per_host, "messages": "agents" if via_agents else "direct",
+            "controller_cpu_idle_pct": 100 * cpu / wall,
             "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
             "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s,
             "host_lost_handling_ms": handled[0] if handled else None, "host_lost_handling_cpu_ms": handled[1] if handled else None,
@@ -297,7 +304,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--procs", default="4,16,64,128", help="comma-separated sizes (default 4,16,64,128)")
+    p.add_argument("--procs", default="4,16,64,128", help="comma-separated sizes of real meshes (default 4,16,64,128; '' for none)")
     p.add_argument("--calls", type=int, default=50, help="call-to-all samples per size (default 50)")
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measurement (default 10)")
     p.add_argument("--quick", action="store_true", help="sizes 4,16,64; 20 calls; 5 s idle")
@@ -315,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.rows_to).write_text(json.dumps(rows))
         return 0
     modes = ("agents", "direct") if args.heartbeats == "both" else (args.heartbeats,)
-    rows = [row for mode in modes for row in _run_mode(mode, args)]
-    simulated = [measure_simulated(int(h), 8, args.idle_s) for h in args.simulated.split(",") if h]
+    rows = [row for mode in modes for row in _run_mode(mode, args)] if args.procs else []
+    simulated = [measure_simulated(int(h), 8, args.idle_s, via_agents=via) for h in args.simulated.split(",") if h
+                 for via in (False, True)]
     if simulated:
         Controller.get().shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -336,11 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['hosts']:>6} {r['procs']:>6} {r['controller_cpu_idle_pct']:>16.1f} {r['controller_messages_per_s_idle']:>12.0f} "
                   f"{r['cpu_per_agent_heartbeat_us']:>12.0f} {r['procs_wrongly_hung']:>13} {r['host_lost_s']:>12.2f} "
                   f"{r['proc_exit_seen_ms']:>13.1f} {_ms_pair(r):>27}")
-        print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'procs':>6} "
+        print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'messages':>8} {'procs':>6} "
               f"{'spawn->reply s':>15} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call-all ms':>21} {'cast p50 ms':>12} "
               f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17}")
         for r in simulated:
-            print(f"{r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} {r['call_all_p95_ms']:>8.2f} "
+            print(f"{r['messages']:>8} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} "
+                  f"{r['call_all_p95_ms']:>8.2f} "
                   f"{r['controller_cpu_per_call_all_ms']:>21.2f} {r['cast_p50_ms']:>12.2f} {r['cast_p95_ms']:>8.2f} "
                   f"{r['controller_cpu_per_cast_ms']:>17.2f}")
     print(f"JSON: {RESULTS / 'scale.json'}")
