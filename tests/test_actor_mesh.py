@@ -9,6 +9,7 @@ import torch
 
 from monarch_nb import ActorError, MeshStoppedError, SupervisionError, UnknownEndpointError, ValueMesh
 from monarch_nb.runtime.controller import Controller
+from monarch_nb.transport.channel import FAN_MIN_PROCS
 from monarch_nb.transport.serialization import SerializationError, dumps
 
 from .actors import AsyncCounter, Caller, Counter, Worker
@@ -83,15 +84,19 @@ def test_a_broadcast_is_one_message_through_the_host_agent_and_a_later_call_neve
     """Issue 25, step 2: a broadcast to the 4 procs of a host is one message of the controller's,
     through the host agent; a call_one goes straight to its proc, and one sent after a broadcast
     is served after it (the proc delivers the controller's messages in the order sent)."""
-    counters = procs4.spawn("counters", Counter)
     channel = Controller.get().channel
     assert {channel.routed_via(f"{procs4.name}.{r}") for r in range(4)} == {"host0"}
-    before = channel.sent_via_agents
-    for n in range(1, 101):
-        counters.incr.broadcast()
-        assert counters.slice(gpus=n % 4).get_value.call_one().get(timeout=10) == n
-    assert channel.sent_via_agents - before == 100, "each broadcast: one message through the agent; the calls straight"
-    assert counters.get_value.call().get(timeout=30).values() == [100] * 4
+    channel.fan_min_procs = 4  # the default (8) sends 4 procs their casts straight
+    try:
+        counters = procs4.spawn("counters", Counter)
+        before = channel.sent_via_agents
+        for n in range(1, 101):
+            counters.incr.broadcast()
+            assert counters.slice(gpus=n % 4).get_value.call_one().get(timeout=10) == n
+        assert channel.sent_via_agents - before == 100, "each broadcast: one message through the agent; the calls straight"
+        assert counters.get_value.call().get(timeout=30).values() == [100] * 4
+    finally:
+        channel.fan_min_procs = FAN_MIN_PROCS
 
 
 def test_tensors_round_trip_without_copy_into_stream(procs4):

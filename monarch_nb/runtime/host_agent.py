@@ -87,6 +87,7 @@ class ChildProc:
     ready_fd: int = -1  # a spare writes one byte here once its preload is done
     ready: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    signalled: bool = False  # signalled at the controller's request while still alive (not a zombie)
 
 
 @dataclass
@@ -377,6 +378,9 @@ class HostAgent:
     def _signal(self, identity: str, signame: str) -> None:
         for pid, child in self.children.items():
             if child.identity == identity:
+                # a proc that already died (a zombie not reaped yet) is not the signal's doing: its
+                # exit report says so, and the controller does not take a crash for its own kill
+                child.signalled = child.signalled or _os_state(pid) not in ("Z", "X", "?")
                 try:
                     os.kill(pid, SIGNALS[signame])
                 except ProcessLookupError:
@@ -568,7 +572,7 @@ class HostAgent:
         if report:
             signame = signal.Signals(-status).name if status < 0 else None
             exited: ProcExitedHeader = {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": status,
-                                        "signal": signame, "time": time.time()}
+                                        "signal": signame, "time": time.time(), "on_request": child.signalled}
             self.channel.send(CONTROLLER, exited)
 
     # -- what the OS says ----------------------------------------------------------------------------

@@ -156,8 +156,16 @@ class Liveness:
             rec.move(ProcState.STOPPED, "exit")
             ctrl.record_event("proc_stopped", rec, detail=f"exit {header['returncode']}", cause="stopped")
             return
-        if rec.state == ProcState.RESTARTING and header.get("pid") == rec.restart_kill_pid:  # a restart killed it
-            ctrl.record_event("proc_stopped", rec, detail="killed to restart in place", cause="restart")
+        if rec.state == ProcState.RESTARTING and header.get("pid") == rec.restart_kill_pid:
+            if header.get("on_request", True):  # a restart killed it
+                ctrl.record_event("proc_stopped", rec, detail="killed to restart in place", cause="restart")
+                return
+            # it had died on its own before the restart's kill reached it (its exit not heard yet when
+            # the restart began): logged as its own exit (the restart goes on; the restart's owner
+            # may read why the old incarnation ended: MeshProcs.own_exit)
+            signame = header.get("signal")
+            ctrl.record_event("proc_exited", rec, cause=signame or f"exit {header['returncode']}",
+                              detail=f"killed by {signame}" if signame else f"exited with code {header['returncode']}")
             return
         signame = header.get("signal")
         if rec.fenced:

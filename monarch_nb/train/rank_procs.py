@@ -1,7 +1,7 @@
 """What the membership needs of a run's procs: a narrow interface, and the one over a real mesh.
 
 :class:`~.recovery.Membership` restarts ranks and waits on their procs; it needs five things of
-them, not the controller. :class:`RankProcs` names them; :class:`MeshProcs` gives them over a
+them (and a sixth, ``own_exit``), not the controller. :class:`RankProcs` names them; :class:`MeshProcs` gives them over a
 :class:`~monarch_nb.actor.mesh.ProcMesh` and the controller's records. The unit tests give
 their own (no processes), as torchft tests its Manager against a fake.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from ..errors import SupervisionError
 from ..supervision.records import ProcState
 
 if TYPE_CHECKING:
@@ -46,6 +47,12 @@ class RankProcs(Protocol):
         """``rank``'s host serves (not lost, or attached again)."""
         ...
 
+    def own_exit(self, rank: int, pid: int) -> SupervisionError | None:
+        """How incarnation ``pid`` of ``rank`` ended, if it died on its own (not killed by a
+        restart: a death heard only after a restart of it began is not reported to the
+        supervisor, and is found here); None otherwise."""
+        ...
+
 
 class MeshProcs:
     """:class:`RankProcs` over a real proc mesh and the controller's records.
@@ -76,6 +83,15 @@ class MeshProcs:
         from ..runtime.controller import Controller
 
         return Controller.get().proc_record(self.procs.name, rank).state
+
+    def own_exit(self, rank: int, pid: int) -> SupervisionError | None:
+        from ..runtime.controller import Controller
+
+        for event in reversed(Controller.get().events.events(kind="proc_exited")):
+            if event.mesh == self.procs.name and event.rank == rank and event.pid == pid:
+                signame = event.cause if event.cause.startswith("SIG") else None
+                return SupervisionError(rank, event.cause, event.detail, signame)
+        return None
 
     def host_serving(self, rank: int) -> bool:
         from ..runtime.controller import Controller

@@ -359,7 +359,15 @@ class Membership(Healing):
 
     def _restart_proc(self, rank: int) -> None:
         self._wait_until_dead(rank)
-        self._procs().restart(rank, timeout_s=self.options.restart_timeout_s)
+        procs = self._procs()
+        procs.restart(rank, timeout_s=self.options.restart_timeout_s)
+        # taken out as a partner, it may have died on its own first (its exit heard only after the
+        # restart had begun, so never reported): its record names that death, not the partner's
+        for rec in [r for r in self.open_for(rank) if r.kind == "group"]:
+            pid = rec.pid
+            death = procs.own_exit(rank, pid) if pid is not None else None
+            if death is not None:
+                self.own_death_heard(rank, death, pid)
 
     def _wait_until_dead(self, rank: int, timeout_s: float = 5.0) -> None:
         """A hung rank is being fenced: let its exit be seen before restarting it, so the fence's

@@ -35,9 +35,10 @@ does a message another peer sends it through the controller. Two paths must not 
 in which the controller's socket sends a proc its messages (the controller's own and those it
 passes on from peers: before the link they shared one pipe, and code relies on that, e.g. a
 spawn the controller sent before a peer's call to the new actor), so the controller numbers every
-message for a linked proc, per proc from 1, with the proc's incarnation: a cast in its signed
-``fan`` fields (``pseq``), a message straight to the proc in a frame before it (``^INC:N``, put
-there by the controller's socket, as the routing frames are). The proc delivers them in that
+message for a linked proc, per proc from 1, with the proc's incarnation (``pseq``): its own in
+their signed headers (a cast in its ``fan`` fields), a peer's message it passes on in front of
+the envelope, in the same frame (``^INC:N|``; the hub does not re-sign what it passes on, and a
+frame of its own would cost a send and a receive more). The proc delivers them in that
 order (:meth:`Channel._in_order`): one that overtook an earlier one waits for it; a number
 already delivered, or another incarnation's, is dropped. A proc reads its agent's link as a
 second socket of its loop (:meth:`Channel.add_link`).
@@ -123,6 +124,12 @@ _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLI
 _IO_RECHECK_S = 0.02
 
 
+#: The fewest procs a cast must be for to go through the host agents (one message per host of 2
+#: or more of them). The agent's hop (a wake-up of another process: 0.1-0.2 ms on a 2-core VM)
+#: costs more than a few of the controller's sends (~20 µs each): on 4 procs of one host a call to
+#: all took 739 µs through the agent against 580 µs straight (bench/actor_latency.py); from about
+#: 8 the controller's sends cost as much as the hop, and what the agents save grows with procs.
+FAN_MIN_PROCS = 8
 #: Numbered messages a proc keeps while it waits for an earlier one (one that came by the slower path).
 _MAX_HELD = 100_000
 
@@ -141,17 +148,24 @@ class _LinkedProc:
         self.sent += 1
         return self.sent
 
-    def stamp(self) -> bytes:
-        """The frame before a message sent straight to the proc: ``^INCARNATION:NUMBER``."""
-        return b"^%d:%d" % (self.incarnation, self.number())
+    def stamped(self, frames: list[Any]) -> list[Any]:
+        """A peer's message passed on to the proc, its envelope after ``^INCARNATION:NUMBER|`` (in
+        the envelope's frame: a frame of its own costs more than the copy of a small envelope)."""
+        envelope = frames[0] if type(frames[0]) is bytes else frames[0].bytes
+        return [b"^%d:%d|%s" % (self.incarnation, self.number(), envelope), *frames[1:]]
 
 
-def _parse_stamp(frame: bytes) -> tuple[int, int] | None:
-    incarnation, _, number = frame[1:].partition(b":")
+def _unstamp(frames: list[Any]) -> tuple[list[Any], tuple[int, int] | None]:
+    """``(frames with the envelope alone, (incarnation, number))`` of a message a linked proc got
+    straight from the controller's socket (``^INCARNATION:NUMBER|envelope``); None: no stamp."""
+    first = frames[0]
+    end = first.find(b"|", 0, 48)
+    incarnation, _, number = first[1:end].partition(b":")
     try:
-        return int(incarnation), int(number)
+        order = (int(incarnation), int(number))
     except ValueError:
-        return None
+        return frames, None
+    return [memoryview(first)[end + 1:], *frames[1:]], order
 
 
 def _is_route(frame: bytes) -> bool:
@@ -161,6 +175,10 @@ def _is_route(frame: bytes) -> bool:
 
 class Channel:
     """One socket, one IO thread. ``router=True`` binds a ROUTER; otherwise a DEALER connects.
+
+    Attributes:
+        fan_min_procs: :meth:`send_many` sends a host's procs one message through their agent only
+            when the message is for at least this many procs in all (default :data:`FAN_MIN_PROCS`).
 
     Args:
         identity: this endpoint's name, used as ``src`` in headers (and, for DEALERs, as the
@@ -199,6 +217,7 @@ class Channel:
         self._route_frames: dict[str, bytes] = {}
         self._via: dict[str, _LinkedProc] = {}  # ROUTER: linked procs by route
         self._links: list[zmq.Socket[Any]] = []  # DEALER: its host agent's link (received from like the socket)
+        self._link_backlog: set[zmq.Socket[Any]] = set()  # links left with messages waiting (see _receive_link)
         # DEALER: the controller's numbered messages (pseq), delivered in order: this incarnation, the next
         # number, and those that came early (through the other path), by number
         _, _, incarnation = identity.partition("#")
@@ -225,6 +244,7 @@ class Channel:
         self.received: collections.Counter[str] = collections.Counter()  # kind -> verified messages handed on
         self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
         self.sent_via_agents = 0  # ROUTER: messages sent through a host agent (a cast to N procs of a host: one)
+        self.fan_min_procs = FAN_MIN_PROCS
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
@@ -291,13 +311,12 @@ class Channel:
         with self._lock:
             self._seq += 1
             header["seq"] = self._seq
+            if linked is not None:
+                header["pseq"] = [linked.incarnation, linked.number()]
             frames = encode(self._signer, header, body, buffers)
             # a ROUTER's first frame routes; a DEALER's names the destination, so that the hub can
             # forward the message to another peer without reading it (the receiver verifies it)
-            if linked is not None:
-                frames[:0] = (self._route_frame(dst), linked.stamp())
-            else:
-                frames.insert(0, self._route_frame(dst))
+            frames.insert(0, self._route_frame(dst))
             self._send_locked(frames)
 
     def send_many(self, items: Sequence[tuple[str, dict[str, Any]]], header: Header, body: bytes = b"",
@@ -305,7 +324,8 @@ class Channel:
         """Send ``header`` (plus each destination's own fields) with ``body`` to each ``(dst,
         fields)`` of ``items``, as :meth:`send` would one by one; the destinations reached
         through the same host agent get one message, signed once (``fan``: route -> fields),
-        which the agent passes to each of them. Thread-safe; never blocks on the network."""
+        which the agent passes to each of them, when the message is for at least
+        :attr:`fan_min_procs` procs in all. Thread-safe; never blocks on the network."""
         groups: dict[bytes, list[tuple[_LinkedProc, dict[str, Any]]]] = {}
         for dst, fields in items:
             linked = self._via.get(route_id(dst)) if self._via else None
@@ -313,10 +333,11 @@ class Channel:
                 self.send(dst, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]  # a kind's own fields
             else:
                 groups.setdefault(linked.agent, []).append((linked, fields))
+        fan_out = len(items) >= self.fan_min_procs
         for agent, members in groups.items():
-            if len(members) == 1:
-                linked, fields = members[0]
-                self.send(linked.route, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]
+            if len(members) < 2 or not fan_out:  # the agent's hop would cost more than these sends
+                for linked, fields in members:
+                    self.send(linked.route, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]
                 continue
             fan: Header = {**header, "src": self.identity, "dst": agent.decode()}
             with self._lock:
@@ -353,7 +374,11 @@ class Channel:
         """Receive from ``sock`` (a connected DEALER: the host agent's link) as from the channel's
         own socket: verified, replay-guarded, dispatched on the leading thread. Before :meth:`start`."""
         self._links.append(sock)
-        self._readers_version += 1
+        # Only this reader uses the socket, and it reads until ZMQ_EVENTS says none is left; a
+        # message arriving after that makes ZMQ_FD readable (libzmq signals an arrival on a pipe
+        # that was seen empty), so each arrival wakes the loop. Seen empty once now, or read now.
+        self.add_reader(int(sock.getsockopt(zmq.FD)), lambda fd: self._receive_link(sock))
+        self._receive_link(sock)
 
     def _route_frame(self, dst: str) -> bytes:
         frame = self._route_frames.get(dst)
@@ -383,7 +408,7 @@ class Channel:
         route = route_id(dst)
         linked = self._via.get(route) if self._via else None
         with self._lock:
-            self._send_locked([route.encode(), linked.stamp(), *frames] if linked is not None else [route.encode(), *frames])
+            self._send_locked([route.encode(), *(linked.stamped(frames) if linked is not None else frames)])
 
     def _send_locked(self, frames: list[Any]) -> None:
         if self.muted_until and time.monotonic() < self.muted_until:
@@ -514,8 +539,6 @@ class Channel:
             poller = select.poll()
             poller.register(int(self._sock.getsockopt(zmq.FD)), select.POLLIN)
             poller.register(self._wake_r, select.POLLIN)
-            for link in self._links:
-                poller.register(int(link.getsockopt(zmq.FD)), select.POLLIN)
             for fd in tuple(self._readers):
                 poller.register(fd, select.POLLIN)
             local.poller, local.version = poller, version
@@ -526,8 +549,6 @@ class Channel:
         with self._lock:
             if self._closed.is_set():
                 return False
-            if any(int(link.getsockopt(_EVENTS)) & _POLLIN for link in self._links):
-                return True
             return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -537,11 +558,8 @@ class Channel:
             log.exception("handler %r failed; the IO loop goes on", fn)
 
     def _receive_all(self) -> None:
-        self._receive_socket()
-        for link in self._links:
+        for link in tuple(self._link_backlog):
             self._receive_link(link)
-
-    def _receive_socket(self) -> None:
         for _ in range(64):  # bounded so timers and readers are not starved
             with self._lock:
                 if self._closed.is_set():
@@ -567,32 +585,37 @@ class Channel:
                         self.forwarded += 1  # another peer's: pass it on unread (the receiver verifies it)
                         linked = self._via.get(dst.decode()) if self._via else None
                         with self._lock:
-                            self._send_locked([dst, linked.stamp(), *frames] if linked is not None else [dst, *frames])
+                            self._send_locked([dst, *(linked.stamped(frames) if linked is not None else frames)])
                         continue
-            elif len(frames) >= 2 and type(frames[0]) is bytes and frames[0][:1] in (b"@", b"^"):
-                if frames[0][:1] == b"^":  # a linked proc: the controller's number for this message
-                    self._handle(frames[1:], None, _parse_stamp(frames[0]))
-                elif self.on_routed is None:
+            elif frames[0][:1] == b"^":  # a linked proc: a peer's message, numbered by the controller's socket
+                self._handle(*_unstamp(frames))
+                continue
+            elif len(frames) >= 2 and frames[0][:1] == b"@":  # a host agent: a cast for procs of ours
+                if self.on_routed is None:
                     self.dropped["routed"] += 1
-                else:  # a host agent: a cast for procs of ours
+                else:
                     self._guarded(self.on_routed, frames[0][1:].split(b","), frames[1:])
                 continue
-            self._handle(frames, sender)
+            self._handle(frames, None, sender)
 
     def _receive_link(self, link: "zmq.Socket[Any]") -> None:
-        for _ in range(64):
+        """Receive what came through the host agent's link (a reader: its fd became readable;
+        or the loop: more was waiting than one turn reads)."""
+        self._link_backlog.discard(link)
+        for _ in range(64):  # bounded so timers and the socket are not starved
             with self._lock:
                 if self._closed.is_set() or not int(link.getsockopt(_EVENTS)) & _POLLIN:
-                    return
+                    return  # seen empty: the next arrival makes its fd readable
                 try:
                     frames: list[Any] = link.recv_multipart(_NOBLOCK, copy=False)
                 except zmq.ZMQError:
                     return
             frames[0] = frames[0].bytes  # the envelope (small); buffers stay zero-copy frames
-            self._handle(frames, None)
-        self._wake()  # more waiting: look again before sleeping
+            self._handle(frames)
+        self._link_backlog.add(link)  # more waiting, and its fd will not say so: the loop's next turn
+        self._wake()
 
-    def _handle(self, frames: list[Any], sender: bytes | None, order: tuple[int, int] | None = None) -> None:
+    def _handle(self, frames: list[Any], order: tuple[int, int] | None = None, sender: bytes | None = None) -> None:
         """Verify, replay-guard and dispatch one message (receiving thread); ``order``: the
         controller's ``(incarnation, number)`` for it (a linked proc's message straight from the
         controller's socket; a cast's is in its ``fan`` fields)."""
@@ -609,11 +632,14 @@ class Channel:
             if fields is None:
                 self.dropped["not ours"] += 1
                 return
-            pseq = fields.pop("pseq", None) if isinstance(fields, dict) else None
-            if isinstance(pseq, list) and len(pseq) == 2 and all(type(v) is int for v in pseq):
-                order = (pseq[0], pseq[1])
-            header.update(fields)  # type: ignore[typeddict-item]  # a kind's own fields (rank, idx, mi)
+            header.update(fields)  # type: ignore[typeddict-item]  # a kind's own fields (rank, idx, mi, pseq)
             header["dst"] = own  # as a message of its own to us would say
+        pseq = header.pop("pseq", None)
+        if pseq is not None:
+            if not (isinstance(pseq, list) and len(pseq) == 2 and all(type(v) is int for v in pseq)):
+                self.dropped["bad"] += 1
+                return
+            order = (pseq[0], pseq[1])
         if order is not None:
             self._in_order(order, header, body, buffers, frames)
             return
@@ -668,7 +694,9 @@ class Channel:
         bytes, the buffers after it as zero-copy frames. Raises zmq.Again if none is waiting."""
         sock = self._sock
         frames: list[Any] = [sock.recv(_NOBLOCK)]
-        for _ in range(2 if self.router else 0):  # a ROUTER's sender and destination frames: small, copied
+        # a ROUTER's sender and destination frames, a host agent's routing frame (@) and the envelope
+        # after it: small, copied
+        for _ in range(2 if self.router else 1 if frames[0][:1] == b"@" else 0):
             if not sock.getsockopt(_RCVMORE):
                 return frames
             frames.append(sock.recv())
@@ -686,7 +714,7 @@ class Channel:
         now = time.monotonic()
         for timer in self._timers:
             if now >= timer[0]:
-                due, interval, fn, phase = timer
+                _, interval, fn, phase = timer
                 wait = interval if phase is None else (phase - time.time()) % interval
                 if wait < interval / 2:  # a phased timer that ran late (or early): its next slot
                     wait += interval

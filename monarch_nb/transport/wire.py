@@ -62,6 +62,7 @@ class Header(_KindField, total=False):
     nbuf: list[int]  # the byte sizes of the out-of-band buffers
     shm: list[list[Any]]  # [buffer index, shared-memory name, bytes] of buffers sent through /dev/shm
     fan: dict[str, dict[str, Any]]  # one message for several procs of a host: route -> that proc's own fields
+    pseq: list[int]  # [incarnation, n]: the n-th message the controller's socket sent this incarnation of a linked proc
 
 
 def _encode_header(header: Header) -> bytes:

@@ -67,6 +67,7 @@ def cluster(tmp_path):
     signer = Signer(KEY)
     inbox: dict[str, Inbox] = {name: Inbox() for name in ("controller", "host0", "pm0.0", "pm0.1", "pm0.2")}
     controller = Channel("controller", signer, inbox["controller"], router=True)
+    controller.fan_min_procs = 2  # a host of 2 linked procs here: casts to both through the agent
     address = controller.bind(f"ipc://{tmp_path}/ctl")
     controller.start()
     agent = Channel("host0#1", signer, inbox["host0"])
@@ -164,7 +165,8 @@ def test_a_message_numbered_for_another_incarnation_is_dropped(cluster):
 
 def test_the_controllers_messages_to_a_linked_proc_keep_their_order(cluster):
     """FIFO from the controller to a proc across its single messages (straight) and casts
-    (through the agent)."""
+    (through the agent): 300 messages, more than one turn of the proc's loop reads from either
+    socket (64)."""
     controller, link, procs, inbox, gate = cluster
     for n in range(300):
         if n % 3:

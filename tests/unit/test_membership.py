@@ -50,6 +50,7 @@ class FakeProcs:
     def __init__(self) -> None:
         self.restarted: list[int] = []
         self.failing: set[int] = set()  # ranks whose restarts raise
+        self.deaths: dict[tuple[int, int], SupervisionError] = {}  # (rank, pid) -> its own death, heard during a restart
 
     def restart(self, rank: int, timeout_s: float) -> None:
         self.restarted.append(rank)
@@ -64,6 +65,9 @@ class FakeProcs:
 
     def host_serving(self, rank: int) -> bool:
         return True
+
+    def own_exit(self, rank: int, pid: int) -> SupervisionError | None:
+        return self.deaths.get((rank, pid))
 
 
 def actor_error(rank: int, exception_type: str) -> ActorError:
@@ -196,6 +200,18 @@ def test_a_killed_rank_whose_death_is_heard_after_its_partners_error_is_recorded
     assert m.restarting == [0, 1] and len(m.failures) == 2, "still one restart of the group, one record each"
     assert {next_event(m), next_event(m)} == {RankReady(0), RankReady(1)}
     m.join_threads(5)
+
+
+def test_a_partner_that_died_on_its_own_before_the_group_restart_killed_it_is_recorded_as_a_crash():
+    """The same race, later still: the restart began (and sent its kill) before rank 1's own
+    exit was heard, so that exit was never reported; the restart finds it (RankProcs.own_exit)."""
+    m, run, procs = membership(ranks=4, group_size=2)
+    procs.deaths[(1, 1001)] = SupervisionError(1, "SIGKILL", "killed by SIGKILL", signal="SIGKILL")
+    m.fail_rank(0, actor_error(0, "GroupCollectiveError"))
+    assert {next_event(m), next_event(m)} == {RankReady(0), RankReady(1)}
+    m.join_threads(5)
+    assert sorted((f.rank, f.kind, f.cause) for f in m.failures) == [
+        (0, "group", "raised GroupCollectiveError"), (1, "crash", "SIGKILL")]
 
 
 def test_a_rank_that_dies_inside_the_quorum_barrier_aborts_it_and_the_quorum_forms_without_it():
