@@ -9,7 +9,7 @@ import torch
 
 from monarch_nb import ActorError, MeshStoppedError, SupervisionError, UnknownEndpointError, ValueMesh
 from monarch_nb.runtime.controller import Controller
-from monarch_nb.transport.channel import FAN_MIN_PROCS
+from monarch_nb.transport.channel import FAN_MIN_HOSTS, FAN_MIN_PROCS
 from monarch_nb.transport.serialization import SerializationError, dumps
 
 from .actors import AsyncCounter, Caller, Counter, Worker
@@ -86,7 +86,7 @@ def test_a_broadcast_is_one_message_through_the_host_agent_and_a_later_call_neve
     is served after it (the proc delivers the controller's messages in the order sent)."""
     channel = Controller.get().channel
     assert {channel.routed_via(f"{procs4.name}.{r}") for r in range(4)} == {"host0"}
-    channel.fan_min_procs = 4  # the default (8) sends 4 procs their casts straight
+    channel.fan_min_procs, channel.fan_min_hosts = 4, 1  # the defaults (8 procs, 2 hosts) send these straight
     try:
         counters = procs4.spawn("counters", Counter)
         before = channel.sent_via_agents
@@ -96,7 +96,7 @@ def test_a_broadcast_is_one_message_through_the_host_agent_and_a_later_call_neve
         assert channel.sent_via_agents - before == 100, "each broadcast: one message through the agent; the calls straight"
         assert counters.get_value.call().get(timeout=30).values() == [100] * 4
     finally:
-        channel.fan_min_procs = FAN_MIN_PROCS
+        channel.fan_min_procs, channel.fan_min_hosts = FAN_MIN_PROCS, FAN_MIN_HOSTS
 
 
 def test_tensors_round_trip_without_copy_into_stream(procs4):

@@ -67,7 +67,7 @@ def cluster(tmp_path):
     signer = Signer(KEY)
     inbox: dict[str, Inbox] = {name: Inbox() for name in ("controller", "host0", "pm0.0", "pm0.1", "pm0.2")}
     controller = Channel("controller", signer, inbox["controller"], router=True)
-    controller.fan_min_procs = 2  # a host of 2 linked procs here: casts to both through the agent
+    controller.fan_min_procs, controller.fan_min_hosts = 2, 1  # one host of 2 linked procs: casts to both through it
     address = controller.bind(f"ipc://{tmp_path}/ctl")
     controller.start()
     agent = Channel("host0#1", signer, inbox["host0"])
