@@ -173,7 +173,7 @@ def test_the_controllers_messages_to_a_linked_proc_keep_their_order(cluster):
             controller.send("pm0.0", {"kind": "call", "n": n})
         else:
             controller.send_many([("pm0.0", {"n": n}), ("pm0.1", {"n": n})], {"kind": "call"})
-    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 300)
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 300 and len(inbox["pm0.1"].of_kind("call")) == 100)
     assert [h["n"] for h in inbox["pm0.0"].of_kind("call")] == list(range(300))
     assert [h["n"] for h in inbox["pm0.1"].of_kind("call")] == list(range(0, 300, 3))
     assert not procs["pm0.0"].dropped and not procs["pm0.1"].dropped
