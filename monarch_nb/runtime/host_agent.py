@@ -378,9 +378,9 @@ class HostAgent:
     def _signal(self, identity: str, signame: str) -> None:
         for pid, child in self.children.items():
             if child.identity == identity:
-                # a proc that already died (a zombie not reaped yet) is not the signal's doing: its
-                # exit report says so, and the controller does not take a crash for its own kill
-                child.signalled = child.signalled or _os_state(pid) not in ("Z", "X", "?")
+                # a proc that already died (a zombie not reaped yet) is not the last signal's doing:
+                # its exit report says so, and the controller does not take a crash for its own kill
+                child.signalled = _os_state(pid) not in ("Z", "X", "?")
                 try:
                     os.kill(pid, SIGNALS[signame])
                 except ProcessLookupError:

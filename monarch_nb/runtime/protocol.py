@@ -324,7 +324,7 @@ class ProcExitedHeader(Header, total=False):
     signal: str | None
     detail: str
     time: float
-    on_request: bool  # it was alive when the controller asked to signal it (a SIGNAL), and was signalled
+    on_request: bool  # it was alive when the controller last asked to signal it (a SIGNAL), and was signalled
 
 
 class OutputHeader(Header):
