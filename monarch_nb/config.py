@@ -28,6 +28,9 @@ class Config:
                                            "per interval (False: each proc heartbeats to the controller)")
     messages_via_agents: bool = _setting(True, "a cast to several procs of a host goes to its host agent as one message, "
                                          "passed on to each (False: one message straight to each proc)")
+    relay_fan_in: int = _setting(32, "attached hosts per heartbeat relay, the relay included: a tree of host agents, so the "
+                                 "controller hears one agent of each group (0: every agent heartbeats to the controller)")
+    relay_min_hosts: int = _setting(64, "attached hosts it takes before their agents relay each other's heartbeats")
     fence_hung: bool = _setting(True, "SIGKILL a proc once it is reported hung, releasing peers in collectives")
     transport: str = _setting("ipc", "'ipc' (one host, unix sockets) or 'tcp' (127.0.0.1 unless bind_host is set)")
     bind_host: str = _setting("127.0.0.1", "address the controller binds with the tcp transport")
@@ -51,6 +54,8 @@ class Config:
                 values[f.name] = raw.lower() in ("1", "true", "yes", "on")
             elif f.type in ("float", float):
                 values[f.name] = float(raw)
+            elif f.type in ("int", int):
+                values[f.name] = int(raw)
             else:
                 values[f.name] = raw
         return cls(**values)

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 from ..actor import backend
 from ..actor.context import context as current_context
@@ -53,7 +53,8 @@ from .liveness import Liveness
 from .messenger import Messenger
 from .output import LineAssembler, OutputLine, deliver, print_output
 from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHeader, AgentHeartbeatHeader, AgentHelloHeader,
-                       CallHeader, FaultFiredHeader, FaultHeader, Handler, InterruptHeader, Kind, LogLevelHeader, OutputHeader,
+                       CallHeader, FaultFiredHeader, FaultHeader, Handler, HeartbeatFields, InterruptHeader, Kind, LogLevelHeader,
+                       OutputHeader,
                        ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
@@ -137,6 +138,7 @@ class Controller:
             Kind.AGENT_HELLO: self._on_agent_hello,
             Kind.AGENT_HEARTBEAT: self._on_agent_heartbeat,
             Kind.AGENT_EXITING: lambda header, body, buffers: self.host_agents.on_agent_exiting(header),
+            Kind.RELAY_READY: lambda header, body, buffers: self.host_agents.on_relay_ready(header),
             Kind.SPARES: self._on_spares,
             Kind.PORT: self.messenger.on_port,
         }
@@ -503,16 +505,28 @@ class Controller:
             rec.on_spare = bool(header.get("spare"))
 
     def _on_agent_heartbeat(self, header: AgentHeartbeatHeader, body: Any, buffers: list[memoryview]) -> None:
-        host = self.host_agents.on_heartbeat(header)
-        if host is None:
-            return
-        stopped = frozenset(header.get("stopped", ()))
+        name = route_id(header["src"])
+        host = self.host_agents.on_heartbeat(name, header.get("load", 0.0), left=header.get("relay_left", ""))
+        if host is not None:
+            self._host_heard(host, header.get("stopped", ()), header.get("heard", ()), header.get("changed", {}))
+        for entry in header.get("members", ()):  # a relay's: the heartbeats of its members (monarch_nb.runtime.relay)
+            try:
+                member = self.host_agents.on_heartbeat(route_id(entry["src"]), entry["load"], via=name)
+                if member is not None:
+                    self._host_heard(member, entry["stopped"], entry["heard"], entry["changed"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # one bad entry costs only itself
+                log.warning("dropped a malformed relayed heartbeat from %s: %r", name, exc)
+
+    def _host_heard(self, host: HostRecord, stopped_procs: Iterable[str], heard: Iterable[str],
+                    changed: Mapping[str, HeartbeatFields]) -> None:
+        """What a host agent's heartbeat says of its procs: stopped ones, and those heard."""
+        stopped = frozenset(stopped_procs)
         for identity in stopped ^ host.stopped:  # only what changed: not every proc per host heartbeat
             rec = self.procs.get(route_id(identity))
             if rec is not None and rec.host == host.name:
                 rec.os_stopped = identity in stopped
         host.stopped = stopped
-        self.liveness.on_host_heartbeats(host.name, header.get("heard", ()), header.get("changed", {}))
+        self.liveness.on_host_heartbeats(host.name, heard, changed)
 
     def _on_spares(self, header: SparesHeader, body: Any, buffers: list[memoryview]) -> None:
         host = self.hosts.get(route_id(header["src"]))

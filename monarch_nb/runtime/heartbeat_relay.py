@@ -195,12 +195,14 @@ class IdleCadence:
         self._said: tuple[float, tuple[str, ...]] | None = None  # (load, stopped procs) as last sent
         self._quiet = 0  # ticks skipped since the last heartbeat
 
-    def take(self, summary: RelaySummary, load: float, stopped: Iterable[str]) -> RelaySummary | None:
+    def take(self, summary: RelaySummary, load: float, stopped: Iterable[str], *, force: bool = False) -> RelaySummary | None:
         """This tick's summary in, the one to send out (with the procs heard in skipped ticks), or
-        None: skip this tick."""
+        None: skip this tick. ``force``: send this tick whatever it says (a relay with its
+        members' heartbeats to pass on, a member going straight to the controller again)."""
         state = (load, tuple(sorted(stopped)))
         self._held.update(dict.fromkeys(summary.heard))
-        if summary.complete and not summary.changed and state == self._said and self._quiet + 1 < self.every:
+        if (not force and summary.complete and not summary.changed and state == self._said
+                and self._quiet + 1 < self.every):
             self._quiet += 1
             return None
         self._quiet, self._said = 0, state

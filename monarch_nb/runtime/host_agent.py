@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from .. import device
 from ..transport import shm
 from ..transport.channel import Channel
@@ -57,11 +59,13 @@ from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
+from .relay import AgentRelay, RelayMember
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
-                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, WorkspaceHeader,
-                       WorkspaceSyncedHeader)
+                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, RelayJoinHeader, RelayReadyHeader, SignalHeader,
+                       SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
 from .workspace_files import FileEntry, WorkspaceCopy
+from .worker_loop import local_ip_for
 
 log = logging.getLogger("monarch_nb.host_agent")
 
@@ -121,7 +125,8 @@ class HostAgent:
         self.trust = load_trust(env.curve_dir).with_key(key) if env.curve_dir else None
         self._terminate = False
         self._published_seen = 0.0
-        self.channel = Channel(f"{name}#{os.getpid()}", Signer(key), self._on_message)
+        self.signer = Signer(key)
+        self.channel = Channel(f"{name}#{os.getpid()}", self.signer, self._on_message)
         self.inventory = device.detect_gpus()
         self.controller_seen = time.monotonic()
         self._handlers: dict[str, Handler] = {
@@ -131,7 +136,11 @@ class HostAgent:
             Kind.SHUTDOWN: lambda header, body, buffers: self.shutdown(AgentExit.SHUTDOWN),
             Kind.CONTROLLER_HEARTBEAT: lambda header, body, buffers: None,  # any message counts (see _on_message)
             Kind.WORKSPACE: self._on_workspace,
+            Kind.RELAY_SERVE: lambda header, body, buffers: self._serve_relay(),
+            Kind.RELAY_JOIN: self._on_relay_join,
         }
+        self.relay: AgentRelay | None = None  # other agents' heartbeats pass through us (monarch_nb.runtime.relay)
+        self.member: RelayMember | None = None  # ours go through another agent
         self.children: dict[int, ChildProc] = {}  # pid -> child
         self.pools: dict[str, SparePool] = {}  # mesh -> what to keep
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -177,6 +186,44 @@ class HostAgent:
             log.warning("workspace sync refused: %s", exc)
             reply["error"] = f"{type(exc).__name__}: {exc}"
         self.channel.send(CONTROLLER, reply)
+
+    # -- the relay tree of heartbeats (monarch_nb.runtime.relay) ------------------------------------
+    def _serve_relay(self) -> None:
+        """Bind the relay socket (once) where this host reaches the controller; say where."""
+        reply: RelayReadyHeader = {"kind": Kind.RELAY_READY, "endpoint": "", "error": ""}
+        try:
+            if self.relay is None:
+                relay = AgentRelay(self.channel.identity, self.signer, self.trust, _local_ip_toward(self.env.controller))
+                self.channel.add_reader(relay.fd, relay.on_readable)
+                self.relay = relay
+            reply["endpoint"] = self.relay.endpoint
+        except (OSError, zmq.ZMQError, ValueError) as exc:
+            log.warning("host %s cannot serve as a heartbeat relay: %s", self.name, exc)
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        self.channel.send(CONTROLLER, reply)
+
+    def _on_relay_join(self, header: RelayJoinHeader, body: memoryview, buffers: list[memoryview]) -> None:
+        """Heartbeat through the relay named from now on (none: straight to the controller)."""
+        self._leave_relay()
+        if header.get("endpoint"):
+            member = RelayMember(self.channel.identity, self.signer, self.trust, header["relay"], header["endpoint"],
+                                 self.env.heartbeat_interval_s)
+            self.channel.add_reader(member.fd, self._on_relay_beat)
+            self.member = member
+
+    def _on_relay_beat(self, fd: int) -> None:
+        member = self.member
+        if member is None:
+            return
+        member.on_readable()
+        if member.controller_heard is not None and member.controller_heard > self.controller_seen:
+            self.controller_seen = member.controller_heard  # the relay heard it: it is alive
+
+    def _leave_relay(self) -> None:
+        if self.member is not None:
+            self.channel.remove_reader(self.member.fd)
+            self.member.close()
+            self.member = None
 
     def _on_spawn_procs(self, header: Header, body: memoryview, buffers: list[memoryview]) -> None:
         for spec in json.loads(bytes(body)):
@@ -590,11 +637,27 @@ class HostAgent:
             elif state == "R":
                 runnable += 1
         load = round(runnable / self.cores, 2)
-        procs = self.cadence.take(self.heartbeats.summary(), load, stopped)
+        members = self.relay.take() if self.relay is not None else []
+        left = ""
+        if self.member is not None and self.member.silent():  # straight again, at once, before the hang timeout
+            left = self.member.relay
+            log.warning("host %s: relay %s silent for %.2f s; heartbeating straight to the controller", self.name, left,
+                        time.monotonic() - self.member.relay_heard)
+            self._leave_relay()
+        procs = self.cadence.take(self.heartbeats.summary(), load, stopped, force=bool(members or left))
         if procs is not None:  # None: nothing new to say, and it was said one interval ago
             header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": load, "stopped": stopped,
                                             "heard": list(procs.heard), "changed": procs.changed}
-            self.channel.send(CONTROLLER, header)
+            if members:
+                header["members"] = members
+            if left:
+                header["relay_left"] = left
+            if self.member is not None:
+                self.member.send(header)
+            else:
+                self.channel.send(CONTROLLER, header)
+        if self.relay is not None:
+            self.relay.beat_members(time.monotonic() - self.controller_seen)
         self._publish_seen()
 
     def _publish_seen(self) -> None:
@@ -641,6 +704,9 @@ class HostAgent:
         while self.children and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.005)
+        self._leave_relay()
+        if self.relay is not None:
+            self.relay.close()
         self.channel.close()
         self.link.close()
         self.heartbeats.close()
@@ -679,6 +745,19 @@ def _close_pipe(child: ChildProc, fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def _local_ip_toward(controller: str) -> str:
+    """This host's address on the way to the controller at ``controller`` (``tcp://IP:PORT``): a
+    relay binds there, where its peers (which reach the same controller) can reach it.
+
+    Raises:
+        ValueError: ``controller`` is not a tcp:// address (an ipc:// one is this machine's own agent).
+    """
+    if not controller.startswith("tcp://"):
+        raise ValueError(f"a relay needs a tcp:// controller address, not {controller!r}")
+    ip = controller[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return local_ip_for(ip)
 
 
 def _os_state(pid: int) -> str:

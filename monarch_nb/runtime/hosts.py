@@ -40,8 +40,9 @@ from ..supervision.records import HostRecord, ProcRecord, ProcState
 from ..transport.keys import Trust, load_trust, seal
 from ..transport.wire import BadMessage, Signer, decode, encode, route_id
 from .launch import LocalAgent
-from .protocol import (CONTROLLER, AgentEnv, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, AttachedHeader, AttachHeader,
-                       Kind, SignalHeader)
+from .protocol import (CONTROLLER, AgentEnv, AgentExitingHeader, AgentHelloHeader, AttachedHeader, AttachHeader, Kind,
+                       RelayJoinHeader, RelayReadyHeader, SignalHeader)
+from .relay import RelayJoin, RelayTree
 from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback, machine_id
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ def _address_key(address: str) -> tuple[frozenset, str]:
         ips = frozenset()
     return ips or frozenset({host}), port
 
+
+#: The controller places hosts in the relay tree every this many liveness ticks (1 s by default).
+RELAY_PLAN_EVERY = 4
 
 #: The controller heartbeats to each remote agent every this many intervals (0.5 s by default),
 #: the hosts spread over the ticks: any message from the controller counts, and the agent (and
@@ -147,6 +151,7 @@ class Hosts:
         self._reattaching: set[str] = set()
         self._ticks = 0  # liveness ticks so far (the turn of each host's heartbeat)
         self._fenced: set[str] = set()  # procs of lost hosts already told to die
+        self.tree = RelayTree(config.relay_fan_in, config.relay_min_hosts)  # whose heartbeats pass through whom
         self._lock = threading.RLock()
         self._next = 1
 
@@ -334,6 +339,7 @@ class Hosts:
                     continue
                 self._reattaching.discard(name)
                 self._links.pop(name, None)
+                self._send_joins(self.tree.lose(name))
                 if self.records.pop(name, None) is not None:
                     self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
 
@@ -344,6 +350,9 @@ class Hosts:
             procs = self.ctrl.procs  # a fresh agent: its host's procs may be fenced again if it is lost again
             self._fenced = {p for p in self._fenced if p not in procs or procs[p].host != record.name}
             record.pid = header["pid"]
+            with self._lock:  # a fresh agent is in no relay tree: if its host relayed, its members go straight
+                self._send_joins(self.tree.lose(record.name))
+            record.via_relay = ""
             record.state = ProcState.HEALTHY
             record.last_heartbeat = time.monotonic()
             record.ready.set()
@@ -355,26 +364,64 @@ class Hosts:
         if record is not None and record.state == ProcState.HEALTHY and not self.ctrl.closed:
             self._lose(record, str(header.get("why") or "its host agent exited"))
 
-    def on_heartbeat(self, header: AgentHeartbeatHeader) -> HostRecord | None:
-        record = self.records.get(route_id(header["src"]))
+    def on_heartbeat(self, name: str, load: float, via: str = "", left: str = "") -> HostRecord | None:
+        """Host ``name``'s agent heartbeated: straight (``via`` "": it may say which relay it
+        ``left``), or in relay ``via``'s heartbeat. Its record, None for an unknown host."""
+        record = self.records.get(name)
         if record is None:
             return None
         record.last_heartbeat = time.monotonic()
-        record.load = float(header.get("load", 0.0))
+        record.load = float(load)
+        record.via_relay = via
+        if left:
+            with self._lock:
+                self.tree.left(name, left)
         if record.state == ProcState.FAILED and record.name in self._links:
             self._fence_returned(record)
         return record
+
+    def on_relay_ready(self, header: RelayReadyHeader) -> None:
+        """A host asked to relay bound its socket (or could not): its members join it."""
+        name = route_id(header["src"])
+        if header.get("error"):
+            log.warning("host %s cannot relay heartbeats (%s): its group heartbeats straight", name, header["error"])
+        with self._lock:
+            self._send_joins(self.tree.ready(name, str(header.get("endpoint") or "")))
+
+    def _send_joins(self, joins: list[RelayJoin]) -> None:
+        for join in joins:
+            record = self.records.get(join.member)
+            if record is None:
+                continue
+            if not join.relay:
+                record.via_relay = ""  # the controller heartbeats to it again, from this tick on
+            message: RelayJoinHeader = {"kind": Kind.RELAY_JOIN, "relay": join.relay, "endpoint": join.endpoint}
+            self.ctrl.channel.send(join.member, message)
+
+    def _plan_relays(self, now: float) -> None:
+        """Place the healthy attached hosts in the relay tree (:class:`~.relay.RelayTree`)."""
+        healthy = [name for name in self._links if (r := self.records.get(name)) is not None
+                   and r.state == ProcState.HEALTHY and r.ready.is_set()]
+        with self._lock:
+            self.tree.fan_in, self.tree.min_hosts = config.relay_fan_in, config.relay_min_hosts
+            self.tree.expire(now)
+            serve, joins = self.tree.plan(healthy, now)
+            self._send_joins(joins)
+        for name in serve:
+            self.ctrl.channel.send(name, {"kind": Kind.RELAY_SERVE})
 
     # -- liveness (IO thread) --------------------------------------------------------------------------
     def tick(self) -> None:
         now = time.monotonic()
         self._ticks += 1
+        if self._ticks % RELAY_PLAN_EVERY == 0:
+            self._plan_relays(now)
         for turn, name in enumerate(list(self._links)):
             record = self.records.get(name)
             if record is None:
                 continue
             if record.state == ProcState.HEALTHY:
-                if (turn + self._ticks) % CONTROLLER_HEARTBEAT_EVERY == 0:  # the hosts take turns
+                if not record.via_relay and (turn + self._ticks) % CONTROLLER_HEARTBEAT_EVERY == 0:  # the hosts take turns
                     self.ctrl.channel.send(name, {"kind": Kind.CONTROLLER_HEARTBEAT})
                 if now - record.last_heartbeat > config.hang_timeout_s:
                     self._lose(record, f"no heartbeat for {now - record.last_heartbeat:.2f} s")
@@ -391,6 +438,8 @@ class Hosts:
         reattach = record.name in self._links and record.name not in self._reattaching
         if reattach:
             self._reattaching.add(record.name)
+        with self._lock:  # a lost relay's members go straight at once (they would on their own within a second)
+            self._send_joins(self.tree.lose(record.name))
         record.state = ProcState.FAILED
         self.ctrl.record_host_event("host_lost", record, detail=why, cause="host_lost")
         self.ctrl.fail_host_procs(record.name, why)

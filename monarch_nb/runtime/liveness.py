@@ -203,7 +203,9 @@ class Liveness:
         if not late:
             return
         host_silent_s = (IDLE_HEARTBEAT_EVERY + 1) * config.heartbeat_interval_s  # an idle agent beats every 2nd interval
-        silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat > host_silent_s}
+        # ... and a relay passes a member's heartbeat on up to an interval later (monarch_nb.runtime.relay)
+        silent_hosts = {h.name for h in ctrl.hosts.values() if h.last_heartbeat and now - h.last_heartbeat
+                        > host_silent_s + (config.heartbeat_interval_s if h.via_relay else 0.0)}
         for rec in late:
             if not rec.serving or rec.host in silent_hosts:
                 continue  # not serving, or its whole host is silent: a lost host (the host check's), not a hang

@@ -74,6 +74,8 @@ class Kind(str, Enum):
     KEEP_SPARES = "keep_spares"  # keep N warm spare procs for a mesh (JSON SparesSpec body; count 0 retires them)
     CONTROLLER_HEARTBEAT = "ctrl_hb"  # the controller is alive (to remote host agents)
     WORKSPACE = "workspace"  # make the host's workspace copy this manifest (WorkspaceHeader; JSON manifest body, files as buffers)
+    RELAY_SERVE = "relay_serve"  # relay the heartbeats of other agents of the cluster: bind the relay socket (answered RELAY_READY)
+    RELAY_JOIN = "relay_join"  # heartbeat through this relay from now on, or straight again (RelayJoinHeader)
     # controller <-> worker loop (a remote host waiting for a controller)
     ATTACH = "attach"  # become my host (AttachHeader), signed with the cluster key
     ATTACHED = "attached"  # the answer (AttachedHeader)
@@ -86,6 +88,9 @@ class Kind(str, Enum):
     PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
     WORKSPACE_SYNCED = "workspace_synced"  # what a WORKSPACE did (WorkspaceSyncedHeader)
+    RELAY_READY = "relay_ready"  # the relay socket is bound, or could not be (RelayReadyHeader)
+    # relay agent -> its member agents (on the relay's own socket)
+    RELAY_BEAT = "relay_beat"  # the relay is alive, and when it last heard the controller (RelayBeatHeader)
 
     def __str__(self) -> str:
         return self.value
@@ -274,7 +279,37 @@ class AttachedHeader(Header, total=False):
     machine: str  # the kernel's boot id: hosts that share it share CPUs (network namespaces, local jobs)
 
 
-class AgentHeartbeatHeader(Header):
+class RelayedHeartbeat(TypedDict):
+    """One member agent's heartbeat as its relay passes it on (an entry of
+    :attr:`AgentHeartbeatHeader.members`): the member's own fields, and who sent it."""
+
+    src: str  # the member agent's identity (host name # its pid)
+    load: float
+    stopped: list[str]
+    heard: list[str]
+    changed: dict[str, HeartbeatFields]
+
+
+class RelayedHeartbeats(TypedDict, total=False):
+    members: list[RelayedHeartbeat]  # a relay's: its members' heartbeats since its last heartbeat (monarch_nb.runtime.relay)
+    relay_left: str  # a member's first heartbeat straight again: the relay it stopped hearing
+
+
+class RelayJoinHeader(Header):
+    relay: str  # the relay's host name ("": heartbeat straight to the controller again)
+    endpoint: str  # the relay socket's address (tcp://IP:PORT; "" with relay "")
+
+
+class RelayReadyHeader(Header):
+    endpoint: str  # where the relay socket is bound ("" when it could not be)
+    error: str  # why it could not be ("" when bound)
+
+
+class RelayBeatHeader(Header):
+    controller_age_s: float  # seconds since the relay last heard its controller
+
+
+class AgentHeartbeatHeader(Header, RelayedHeartbeats):
     load: float  # runnable procs of this host per core (1.0: every core busy)
     stopped: list[str]  # identities of procs the OS reports stopped (SIGSTOP, state T): hung whatever they do
     heard: list[str]  # procs that heartbeated to the agent since its last heartbeat, fields unchanged

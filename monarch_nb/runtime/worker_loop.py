@@ -98,14 +98,19 @@ def trust_for(address: str, ca: str | None) -> Trust:
     return Trust(LOOPBACK_KEY, source="loopback")
 
 
-def interface_for(ip: str) -> tuple[str, str]:
-    """(local IP, interface name) this host uses to reach ``ip``."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+def local_ip_for(ip: str) -> str:
+    """The local IP this host uses to reach ``ip`` (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((ip, 9))
-        local_ip = probe.getsockname()[0]
+        return str(probe.getsockname()[0])
     finally:
         probe.close()
+
+
+def interface_for(ip: str) -> tuple[str, str]:
+    """(local IP, interface name) this host uses to reach ``ip``."""
+    local_ip = local_ip_for(ip)
     iface = "lo"
     for name in os.listdir("/sys/class/net"):
         try:

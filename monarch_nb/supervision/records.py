@@ -241,6 +241,8 @@ class HostRecord:
         address: a remote host's worker address (``tcp://HOST:PORT``); "" for this machine.
         detail: what an attached host said of itself (hostname, ip, iface, cores, gpus).
         stopped: identities of its procs the OS reported stopped (SIGSTOP) in its last heartbeat.
+        via_relay: the host whose agent passed its last heartbeat on (:mod:`monarch_nb.runtime.relay`);
+            "" when it came straight (the controller then heartbeats to it itself).
     """
 
     name: str
@@ -254,3 +256,4 @@ class HostRecord:
     address: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     stopped: frozenset[str] = frozenset()
+    via_relay: str = ""

@@ -1,0 +1,83 @@
+"""The relay tree of heartbeats with real host agents (monarch_nb.runtime.relay): a LocalJob of 4
+hosts grouped in pairs, so two agents heartbeat through the other two; a relay's agent SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import monarch_nb
+from monarch_nb.config import config
+from monarch_nb.job import LocalJob
+from monarch_nb.runtime.controller import Controller
+from monarch_nb.supervision.records import ProcState
+
+from .actors import Counter
+from .conftest import hang_deadline_s, pid_alive, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def paired_hosts(no_leaked_processes):
+    """4 local hosts in relay pairs (fan-in 2), a Counter on each; the members once the tree formed."""
+    monarch_nb.configure(relay_fan_in=2, relay_min_hosts=2)
+    job = LocalJob({"trainers": 4})
+    try:
+        hosts = job.state().trainers
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        ctrl = Controller.get()
+        no_leaked_processes.update(h.pid for h in ctrl.hosts.values() if h.name in hosts.host_names)
+        counters = procs.spawn("c", Counter)
+        members = lambda: {h.name: h.via_relay for h in ctrl.hosts.values() if h.name in hosts.host_names and h.via_relay}  # noqa: E731
+        wait_until(lambda: len(members()) == 2, 30, message="two hosts heartbeating through the other two")
+        yield ctrl, hosts, procs, counters, members()
+        procs.stop()
+    finally:
+        job.kill()
+
+
+def test_hosts_heard_through_relays_stay_healthy_and_answer(paired_hosts):
+    ctrl, hosts, procs, counters, members = paired_hosts
+    assert set(members.values()).isdisjoint(members) and len(set(members.values())) == 2  # two relays, one member each
+    since = ctrl.events.next_seq
+    agents = {name: ctrl.hosts[name].pid for name in hosts.host_names}
+    # three hang timeouts through the tree: the members' heartbeats reach the controller, and the
+    # relays' beats tell the members it is alive (they would leave it after twice the hang timeout)
+    deadline, calls = time.monotonic() + 3 * config.hang_timeout_s, 0
+    while time.monotonic() < deadline:
+        counters.incr.call().get(timeout=10)
+        calls += 1
+        time.sleep(config.heartbeat_interval_s)
+    assert ctrl.events.events("host_lost", since_seq=since) == [] and ctrl.events.events("proc_hung", since_seq=since) == []
+    assert {name: ctrl.hosts[name].pid for name in hosts.host_names} == agents  # no agent left or was replaced
+    assert {name: h.via_relay for name, h in ctrl.hosts.items() if h.via_relay} == members
+    assert counters.get_value.call().get(timeout=10).values() == [calls] * 4
+
+def test_a_killed_relay_loses_only_its_own_host_and_its_member_goes_straight(paired_hosts):
+    ctrl, hosts, procs, counters, members = paired_hosts
+    member, relay = next(iter(members.items()))
+    rank_on = {ctrl.proc_record(procs.name, r).host: r for r in range(4)}
+    since = ctrl.events.next_seq
+    agent = ctrl.hosts[relay].pid
+    member_agent = ctrl.hosts[member].pid
+    os.kill(agent, signal.SIGKILL)
+    lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == relay, hang_deadline_s() + 1, since)
+    assert lost is not None
+    # the member heard straight again, never lost, its agent the same, its proc answering
+    wait_until(lambda: ctrl.hosts[member].via_relay == "" and ctrl.hosts[member].state == ProcState.HEALTHY, 10,
+               message=f"{member} heartbeating straight")
+    assert [e.host for e in ctrl.events.events("host_lost", since_seq=since)] == [relay]
+    assert ctrl.hosts[member].pid == member_agent
+    assert counters.slice(hosts=rank_on[member]).incr.call_one(5).get(timeout=10) == 5
+    # the relay's host comes back (a fresh agent from its worker loop); its rank restarts there
+    wait_until(lambda: ctrl.hosts[relay].state == ProcState.HEALTHY and ctrl.hosts[relay].pid not in (0, agent), 30,
+               message=f"{relay} attached again")
+    wait_until(lambda: not pid_alive(agent), 10, message="the killed agent gone")
+    procs.restart(rank_on[relay], timeout_s=60)
+    values = counters.incr.call(1).get(timeout=30).values()
+    assert values[rank_on[relay]] == 1 and values[rank_on[member]] == 6
+    assert [e.host for e in ctrl.events.events("host_lost", since_seq=since)] == [relay]
