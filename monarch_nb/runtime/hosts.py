@@ -153,6 +153,7 @@ class Hosts:
         self._fenced: set[str] = set()  # procs of lost hosts already told to die
         self.tree = RelayTree(config.relay_fan_in, config.relay_min_hosts)  # whose heartbeats pass through whom
         self._lock = threading.RLock()
+        self._tree_lock = threading.Lock()  # the tree's alone: the IO thread never waits on a caller holding _lock
         self._next = 1
 
     # -- this machine ----------------------------------------------------------------------------
@@ -339,7 +340,9 @@ class Hosts:
                     continue
                 self._reattaching.discard(name)
                 self._links.pop(name, None)
-                self._send_joins(self.tree.lose(name))
+                with self._tree_lock:
+                    joins = self.tree.lose(name)
+                self._send_joins(joins)
                 if self.records.pop(name, None) is not None:
                     self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
 
@@ -350,8 +353,9 @@ class Hosts:
             procs = self.ctrl.procs  # a fresh agent: its host's procs may be fenced again if it is lost again
             self._fenced = {p for p in self._fenced if p not in procs or procs[p].host != record.name}
             record.pid = header["pid"]
-            with self._lock:  # a fresh agent is in no relay tree: if its host relayed, its members go straight
-                self._send_joins(self.tree.lose(record.name))
+            with self._tree_lock:  # a fresh agent is in no relay tree: if its host relayed, its members go straight
+                joins = self.tree.lose(record.name)
+            self._send_joins(joins)
             record.via_relay = ""
             record.state = ProcState.HEALTHY
             record.last_heartbeat = time.monotonic()
@@ -374,7 +378,7 @@ class Hosts:
         record.load = float(load)
         record.via_relay = via
         if left:
-            with self._lock:
+            with self._tree_lock:
                 self.tree.left(name, left)
         if record.state == ProcState.FAILED and record.name in self._links:
             self._fence_returned(record)
@@ -385,8 +389,9 @@ class Hosts:
         name = route_id(header["src"])
         if header.get("error"):
             log.warning("host %s cannot relay heartbeats (%s): its group heartbeats straight", name, header["error"])
-        with self._lock:
-            self._send_joins(self.tree.ready(name, str(header.get("endpoint") or "")))
+        with self._tree_lock:
+            joins = self.tree.ready(name, str(header.get("endpoint") or ""))
+        self._send_joins(joins)
 
     def _send_joins(self, joins: list[RelayJoin]) -> None:
         for join in joins:
@@ -402,11 +407,11 @@ class Hosts:
         """Place the healthy attached hosts in the relay tree (:class:`~.relay.RelayTree`)."""
         healthy = [name for name in self._links if (r := self.records.get(name)) is not None
                    and r.state == ProcState.HEALTHY and r.ready.is_set()]
-        with self._lock:
+        with self._tree_lock:
             self.tree.fan_in, self.tree.min_hosts = config.relay_fan_in, config.relay_min_hosts
             self.tree.expire(now)
             serve, joins = self.tree.plan(healthy, now)
-            self._send_joins(joins)
+        self._send_joins(joins)
         for name in serve:
             self.ctrl.channel.send(name, {"kind": Kind.RELAY_SERVE})
 
@@ -438,8 +443,9 @@ class Hosts:
         reattach = record.name in self._links and record.name not in self._reattaching
         if reattach:
             self._reattaching.add(record.name)
-        with self._lock:  # a lost relay's members go straight at once (they would on their own within a second)
-            self._send_joins(self.tree.lose(record.name))
+        with self._tree_lock:  # a lost relay's members go straight at once (they would on their own within a second)
+            joins = self.tree.lose(record.name)
+        self._send_joins(joins)
         record.state = ProcState.FAILED
         self.ctrl.record_host_event("host_lost", record, detail=why, cause="host_lost")
         self.ctrl.fail_host_procs(record.name, why)

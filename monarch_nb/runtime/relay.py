@@ -291,7 +291,7 @@ class RelayJoin:
 
 
 class RelayTree:
-    """The controller's plan of the tree (its IO thread, under the hosts' lock): which hosts relay,
+    """The controller's plan of the tree (its IO thread, under a lock of its own): which hosts relay,
     whose heartbeats, and what to tell each agent when that changes.
 
     The tree is one level: up to ``fan_in`` hosts per relay, the relay included (32 by default:
