@@ -13,6 +13,14 @@ to attached hosts). Commands on stdin, one a line: ``exit IDENTITY`` (report tha
 SIGKILL, as an agent does on SIGCHLD), ``silence HOST`` (that host stops heartbeating, as a
 frozen or cut-off host), ``quit``. It prints ``ready`` once every hello is sent.
 
+The relay tree (monarch_nb.runtime.relay) with the real relay code: a host the controller asks to
+serve (``relay_serve``) binds an :class:`~monarch_nb.runtime.relay.AgentRelay` on 127.0.0.1 and
+answers ``relay_ready``; from then on it heartbeats every interval, as a real relay does, with its
+members' heartbeats since its last one, and beats its members. A host told to join
+(``relay_join``) sends its heartbeats to that relay through a
+:class:`~monarch_nb.runtime.relay.RelayMember` (signed, as a real member's), and heartbeats straight
+again, saying which relay it left, once that relay is silent (a silenced relay).
+
 With ``--answer`` the procs answer calls too (:class:`SimProcs`: a connection per proc, from one
 socket). With ``--linked`` as well, the procs are linked to their agents (as real procs are,
 monarch_nb.runtime.proc_link): the controller sends their messages to the host's DEALER, one
@@ -38,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY, tick_phase_s  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
+from monarch_nb.runtime.relay import AgentRelay, RelayMember  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
 from monarch_nb.transport.wire import BadMessage, Signer, decode, encode  # noqa: E402
 
@@ -140,7 +149,9 @@ def main() -> int:
     signer = Signer(bytes.fromhex(sys.stdin.readline().strip()))
     raise_fd_limit()
     ctx = zmq.Context()
-    ctx.set(zmq.MAX_SOCKETS, hosts + 64)  # ZeroMQ's default is 1,023 sockets a context (the procs share one)
+    ctx.set(zmq.MAX_SOCKETS, 2 * hosts + 64)  # ZeroMQ's default is 1,023 sockets a context (the procs share one;
+    # a host's socket to its relay, a relay's for its members, are sockets of the global context)
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 2 * hosts + 64)
     pid = os.getpid()
     names = [host_name(mesh, h) for h in range(hosts)]
     socks, seqs = {}, {}
@@ -157,6 +168,54 @@ def main() -> int:
         seqs[name] += 1
         header.update(src=f"{name}#{pid}", dst=CONTROLLER, seq=seqs[name])
         socks[name].send_multipart(encode(signer, header))
+
+    relays: dict[str, AgentRelay] = {}  # hosts serving as relays
+    members: dict[str, RelayMember] = {}  # hosts heartbeating through a relay
+    ticks = dict.fromkeys(names, 0)  # a member's ticks (it checks its relay's silence every tick)
+
+    def from_controller(name: str, frames: list) -> None:
+        """What a host agent does with the controller's message: the relay tree's, or nothing."""
+        if procs is not None and bytes(frames[0])[:1] == b"@":  # for its procs (--linked)
+            procs.serve_routed(frames)
+            return
+        try:
+            header, _, _ = decode(signer, frames)
+        except BadMessage:
+            return
+        if header["kind"] == Kind.RELAY_SERVE:
+            if name not in relays:
+                relays[name] = AgentRelay(f"{name}#{pid}", signer, None, "127.0.0.1")
+            send(name, {"kind": Kind.RELAY_READY, "endpoint": relays[name].endpoint, "error": ""})
+            due[name] = min(due[name], time.monotonic() + interval_s)  # a relay beats every interval
+        elif header["kind"] == Kind.RELAY_JOIN:
+            member = members.pop(name, None)
+            if member is not None:
+                member.close()
+            if header.get("endpoint"):
+                members[name] = RelayMember(f"{name}#{pid}", signer, None, header["relay"], header["endpoint"], interval_s)
+
+    def heartbeat(name: str) -> None:
+        """One host's heartbeat: an idle agent's, through its relay if it has one; a relay's with its members'."""
+        header = {"kind": Kind.AGENT_HEARTBEAT, "load": 0.1, "stopped": [], "heard": heard[name], "changed": {}}
+        relay = relays.get(name)
+        if relay is not None:
+            taken = relay.take()
+            if taken:
+                header["members"] = taken
+            relay.beat_members(0.0)
+        member = members.get(name)
+        if member is not None and member.silent():  # its relay fell silent: straight again (checked every tick)
+            header["relay_left"] = member.relay
+            members.pop(name).close()
+            member = None
+        elif member is not None:  # an idle member ticks every interval and beats every IDLE_HEARTBEAT_EVERY-th
+            ticks[name] += 1
+            if ticks[name] % IDLE_HEARTBEAT_EVERY:
+                return
+        if member is not None:
+            member.send(header)
+        else:
+            send(name, header)
 
     for name in names:
         send(name, {"kind": Kind.AGENT_HELLO, "pid": pid, "host": name})
@@ -178,16 +237,14 @@ def main() -> int:
         now = time.monotonic()
         for name in names:
             if due[name] <= now:
-                due[name] += every_s
+                due[name] += interval_s if name in relays or name in members else every_s
                 if name not in silent:
-                    send(name, {"kind": Kind.AGENT_HEARTBEAT, "load": 0.1, "stopped": [], "heard": heard[name], "changed": {}})
-        if now >= next_drain or linked:  # what the controller sends to attached hosts: read and dropped
+                    heartbeat(name)
+        if now >= next_drain or linked:  # what the controller sends to attached hosts
             next_drain = now + interval_s
-            for sock in socks.values():
+            for name, sock in socks.items():
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    frames = sock.recv_multipart(copy=False)
-                    if procs is not None and bytes(frames[0])[:1] == b"@":  # for its procs (--linked)
-                        procs.serve_routed(frames)
+                    from_controller(name, sock.recv_multipart(copy=False))
         wait = max(0.0, min(due.values()) - time.monotonic())
         if procs is not None:
             procs.serve()
@@ -205,6 +262,8 @@ def main() -> int:
         elif command == "exit":
             exited = {"kind": Kind.PROC_EXITED, "proc": arg, "pid": 0, "returncode": -9, "signal": "SIGKILL", "time": time.time()}
             send(names[int(arg.rsplit(".", 1)[1]) // per_host], exited)
+    for end in [*relays.values(), *members.values()]:
+        end.close()
     for sock in socks.values():
         sock.close()
     if procs is not None:

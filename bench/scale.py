@@ -1,6 +1,7 @@
 """The control plane's cost as procs grow: real procs on this machine, the controller measured.
 
     python bench/scale.py [--procs 4,16,64,128] [--calls 50] [--idle-s 10] [--quick] [--heartbeats both]
+        [--simulated 1,8,64,1024] [--paths direct,agents,tree]
 
 Both liveness paths in one run, each in its own controller process: ``agents`` (today's
 default: procs heartbeat to their host agent, which sums them up in one message per interval,
@@ -39,6 +40,14 @@ be 0); spawn of the trivial actor to its first call-to-all's answer, call to all
 controller's CPU per call to all, cast (``broadcast``: from the call to the moment the simulator
 holds it for every proc) p50/p95 and the controller's CPU per cast (both less its idle share);
 one host silenced -> its ``host_lost`` event, one proc's exit -> its ``proc_exited`` event.
+
+Each size runs on up to three paths (``--paths``): ``direct`` (every simulated proc heartbeats
+and answers straight), ``agents`` (one heartbeat per host, casts through the hosts), ``tree``
+(from ``relay_min_hosts`` hosts: the agents' heartbeats also through the relay tree,
+monarch_nb.runtime.relay; the simulator's relays and members are the real AgentRelay and
+RelayMember). On the tree path it also records when the tree formed (every relay ready, every
+placed member heard through its relay), then silences one relay: how soon its members heartbeat
+straight, when the relay is lost, and that none of its members is lost wrongly.
 
 What this does not do: a peer in the same run (torchmonarch's figures on real hosts are Monarch
 PR #4875's; ipyparallel's broadcast is in bench/actor_latency.py). Prints tables and writes bench/results/scale.json.
@@ -207,10 +216,40 @@ class _HostLostTimer:
         return self.figures if self._done.wait(timeout_s) else None
 
 
-def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20, via_agents: bool = True) -> dict:
+def _relay_lost(ctrl, names: list[str], sim: subprocess.Popen) -> dict:
+    """Silence one relay of the tree: when it is lost, when all its members heartbeat straight
+    again (on their own, :data:`~monarch_nb.runtime.relay.RELAY_SILENT_INTERVALS` intervals after
+    its last beat), and how many of them were lost meanwhile (must be 0)."""
+    tree = ctrl.host_agents.tree
+    relay = next(name for name in names if name in tree.relays)
+    members = sorted(m for m, r in tree.relay_of.items() if r == relay)
+    ctrl.host_agents._reattaching.add(relay)  # lost for good: no re-attach to try
+    since = ctrl.events.next_seq
+    t0 = time.perf_counter()
+    assert sim.stdin is not None
+    sim.stdin.write(f"silence {relay}\n")
+    sim.stdin.flush()
+    straight_s, deadline = float("nan"), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(not ctrl.hosts[m].via_relay for m in members):
+            straight_s = time.perf_counter() - t0
+            break
+        time.sleep(0.005)
+    lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == relay, 30, since)
+    lost_s = time.perf_counter() - t0 if lost is not None else float("nan")
+    time.sleep(config.hang_timeout_s)  # a member wrongly lost would be lost by now
+    wrongly = [e.host for e in ctrl.events.events("host_lost", since_seq=since) if e.host in members]
+    return {"relay_members": len(members), "relay_lost_s": lost_s, "relay_members_straight_s": straight_s,
+            "relay_members_wrongly_lost": len(wrongly)}
+
+
+def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20, via_agents: bool = True,
+                      relays: bool = False) -> dict:
     """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py);
     ``via_agents``: the procs are linked to their agents (the controller's messages go through
-    them, one per host for a cast or a call to all), as real procs are since issue 25's step 2."""
+    them, one per host for a cast or a call to all), as real procs are since issue 25's step 2;
+    ``relays``: the hosts' heartbeats through a relay tree (``config.relay_fan_in`` hosts a relay,
+    monarch_nb.runtime.relay), else each host's straight to the controller."""
     from _sim_hosts import host_name, raise_fd_limit
 
     from monarch_nb.actor.mesh import ProcMesh
@@ -220,7 +259,9 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
 
     raise_fd_limit()
     ctrl = Controller.get()
-    mesh = f"sim{hosts}x{per_host}{'a' if via_agents else 'd'}"  # a mesh of its own: no failure of an earlier run in its way
+    fan_in = config.relay_fan_in
+    monarch_nb.configure(relay_fan_in=fan_in if relays else 0)
+    mesh = f"sim{hosts}x{per_host}{'a' if via_agents else 'd'}{'r' if relays else ''}"  # a mesh of its own: no failure of an earlier run in its way
     names = [host_name(mesh, h) for h in range(hosts)]
     for name in names:  # as an attached host: judged for silence, sent the controller's heartbeats
         ctrl.hosts[name] = HostRecord(name, address="tcp://127.0.0.1:9")
@@ -252,6 +293,23 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
                 ctrl.channel.route_via(identity, names[h], rec.pid)
         ctrl.meshes[mesh] = ProcMeshRecord(mesh, Extent({"hosts": hosts, "gpus": per_host}), identities,
                                            supervision=SupervisionPolicy("isolate"))
+        tree_s = float("nan")
+        straight = 0
+        if relays:  # every host placed in a group of fan_in, one of each its relay: the others heard through it
+            expected, tree = hosts - -(-hosts // fan_in), ctrl.host_agents.tree
+            t0 = time.perf_counter()
+            while True:
+                with ctrl.host_agents._tree_lock:
+                    placed = dict(tree.relay_of)
+                    ready = all(r.endpoint for r in tree.relays.values())
+                through = sum(1 for n in names if ctrl.hosts[n].via_relay)
+                if ready and through == len(placed) and through >= expected - len(tree._left):
+                    break  # a member that left its relay (it fell silent to it) stays straight
+                if time.perf_counter() - t0 > 60:
+                    raise RuntimeError(f"only {through} of {expected} simulated hosts heard through a relay within 60 s")
+                time.sleep(0.01)
+            tree_s = time.perf_counter() - t0
+            straight = hosts - len(tree.relays) - through
         time.sleep(2.0)
         since = ctrl.events.next_seq
         received0 = sum(ctrl.channel.received.values())
@@ -277,6 +335,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
         lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == victim, 30, since)
         lost_s = time.perf_counter() - t0 if lost is not None else float("nan")
         handled = handling.wait(30)
+        relay_lost = _relay_lost(ctrl, names, sim) if relays else {}
     finally:
         try:
             if sim.stdin is not None:
@@ -285,6 +344,10 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
         except BrokenPipeError:  # it died (it said why on stderr)
             pass
         sim.wait(30)
+        monarch_nb.configure(relay_fan_in=fan_in)
+        with ctrl.host_agents._tree_lock:
+            for name in names:
+                ctrl.host_agents.tree.lose(name)  # the tree forgets the simulated hosts (no agent to tell)
         ctrl.meshes.pop(mesh, None)
         for identity in identities:
             ctrl.procs.pop(identity, None)
@@ -295,11 +358,13 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
             ctrl.host_agents._reattaching.discard(name)
     agent_beats = max(messages, 1)  # an idle agent's heartbeats (IdleCadence), all the controller received
     return {"hosts": hosts, "procs": hosts * per_host, "messages": "agents" if via_agents else "direct",
+            "relay_tree": relays, "relays": -(-hosts // fan_in) if relays else 0, "tree_formed_s": tree_s,
+            "hosts_straight": straight,
             "controller_cpu_idle_pct": 100 * cpu / wall,
             "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
             "procs_wrongly_hung": len(hung), "host_lost_s": lost_s, "proc_exit_seen_ms": 1e3 * kill_s,
             "host_lost_handling_ms": handled[0] if handled else None, "host_lost_handling_cpu_ms": handled[1] if handled else None,
-            **messaging}
+            **messaging, **relay_lost}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="liveness path(s) to measure, each in its own controller (default both)")
     p.add_argument("--simulated", default="1,8,64,1024",
                    help="simulated host counts, 8 procs each (default 1,8,64,1024; '' for none)")
+    p.add_argument("--paths", default="direct,agents,tree",
+                   help="simulated paths, comma-separated: direct (every proc to the controller), agents (one "
+                        "message per host), tree (agents' heartbeats through relays; from relay_min_hosts hosts)")
     p.add_argument("--rows-to", help=argparse.SUPPRESS)  # a mode's child process writes its rows here
     args = p.parse_args(argv)
     if args.quick:
@@ -323,8 +391,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     modes = ("agents", "direct") if args.heartbeats == "both" else (args.heartbeats,)
     rows = [row for mode in modes for row in _run_mode(mode, args)] if args.procs else []
-    simulated = [measure_simulated(int(h), 8, args.idle_s, via_agents=via) for h in args.simulated.split(",") if h
-                 for via in (False, True)]
+    # each size straight (every proc's messages, every host's heartbeats to the controller), through
+    # the agents, and from relay_min_hosts hosts on with the agents' heartbeats through relays too
+    paths = {"direct": (False, False), "agents": (True, False), "tree": (True, True)}
+    unknown = set(args.paths.split(",")) - set(paths)
+    if unknown:
+        p.error(f"unknown --paths {', '.join(sorted(unknown))}: choose from {', '.join(paths)}")
+    simulated = [measure_simulated(int(h), 8, args.idle_s, via_agents=via, relays=tree) for h in args.simulated.split(",") if h
+                 for path, (via, tree) in paths.items() if path in args.paths.split(",")
+                 and (not tree or int(h) >= config.relay_min_hosts)]
     if simulated:
         Controller.get().shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -337,21 +412,31 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['call_all_p50_ms']:>16.2f} "
               f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
-        print(f"\nsimulated hosts (8 procs each; heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'ctrl CPU idle %':>16} "
+        print(f"\nsimulated hosts (8 procs each; heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
+              f"{'ctrl CPU idle %':>16} "
               f"{'ctrl msgs/s':>12} {'us/agent hb':>12} {'wrongly hung':>13} {'host lost s':>12} {'exit seen ms':>13} "
               f"{'lost host handled ms (CPU)':>27}")
         for r in simulated:
-            print(f"{r['hosts']:>6} {r['procs']:>6} {r['controller_cpu_idle_pct']:>16.1f} {r['controller_messages_per_s_idle']:>12.0f} "
+            print(f"{r['hosts']:>6} {r['procs']:>6} {r['relays']:>6} {r['controller_cpu_idle_pct']:>16.1f} "
+                  f"{r['controller_messages_per_s_idle']:>12.0f} "
                   f"{r['cpu_per_agent_heartbeat_us']:>12.0f} {r['procs_wrongly_hung']:>13} {r['host_lost_s']:>12.2f} "
                   f"{r['proc_exit_seen_ms']:>13.1f} {_ms_pair(r):>27}")
-        print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'messages':>8} {'procs':>6} "
+        print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'messages':>12} {'procs':>6} "
               f"{'spawn->reply s':>15} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call-all ms':>21} {'cast p50 ms':>12} "
               f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17}")
         for r in simulated:
-            print(f"{r['messages']:>8} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} "
+            path = r["messages"] + ("+tree" if r["relay_tree"] else "")
+            print(f"{path:>12} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} "
                   f"{r['call_all_p95_ms']:>8.2f} "
                   f"{r['controller_cpu_per_call_all_ms']:>21.2f} {r['cast_p50_ms']:>12.2f} {r['cast_p95_ms']:>8.2f} "
                   f"{r['controller_cpu_per_cast_ms']:>17.2f}")
+        tree_rows = [r for r in simulated if r["relay_tree"]]
+        if tree_rows:
+            print(f"\nrelay tree: one relay silenced\n{'hosts':>6} {'relays':>6} {'straight':>8} {'tree formed s':>14} {'members':>8} "
+                  f"{'members straight s':>19} {'relay lost s':>13} {'members wrongly lost':>21}")
+            for r in tree_rows:
+                print(f"{r['hosts']:>6} {r['relays']:>6} {r['hosts_straight']:>8} {r['tree_formed_s']:>14.2f} {r['relay_members']:>8} "
+                      f"{r['relay_members_straight_s']:>19.2f} {r['relay_lost_s']:>13.2f} {r['relay_members_wrongly_lost']:>21}")
     print(f"JSON: {RESULTS / 'scale.json'}")
     return 0
 
