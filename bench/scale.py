@@ -160,18 +160,32 @@ def _run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
         return json.loads(Path(out.name).read_text())
 
 
+def _answer(future, sim: subprocess.Popen, timeout_s: float):
+    """``future``'s value, within ``timeout_s``; RuntimeError at once if the simulator exited
+    meanwhile (out of memory, a crash: it said why on stderr), not after the whole timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            if sim.poll() is not None:
+                raise RuntimeError(f"the simulated hosts exited (code {sim.returncode}) before answering") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 def _simulated_calls(procs, sim: subprocess.Popen, calls: int, idle_cpu: float) -> dict:
     """Spawn a trivial actor on the simulated procs, then ``calls`` calls to all and as many
     broadcasts (casts), end to end, with the controller's CPU for each (its CPU over the
     operation, less its idle share ``idle_cpu``, a fraction of a core, over that time)."""
     t0 = time.perf_counter()
     actors = procs.spawn("ping", Ping)
-    actors.ping.call().get(timeout=600)
+    _answer(actors.ping.call(), sim, 600)
     first_s = time.perf_counter() - t0
     rtts, cpu0, w0 = [], _cpu_s(), time.perf_counter()
     for _ in range(calls):
         c0 = time.perf_counter()
-        actors.ping.call().get(timeout=120)
+        _answer(actors.ping.call(), sim, 120)
         rtts.append(time.perf_counter() - c0)
     call_cpu = (_cpu_s() - cpu0 - idle_cpu * (time.perf_counter() - w0)) / calls
     casts = []
