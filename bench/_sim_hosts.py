@@ -7,7 +7,7 @@ pid), connected to the controller at ADDRESS, its messages signed with the clust
 agent's are: it says hello (``agent_hello``), then heartbeats as an idle agent does, every
 IDLE_HEARTBEAT_EVERY x INTERVAL_S seconds (heartbeat_relay.IdleCadence), each host in its slot of
 the interval as a real agent (heartbeat_relay.tick_phase_s) (``agent_heartbeat``: a load, no stopped procs, and its PER_HOST procs
-``MESH.<rank>`` as heard with their fields unchanged: what a real agent sends for idle procs,
+``MESH.<rank>`` as heard with their fields unchanged, all of them (``all_heard``): what a real agent sends for idle procs,
 monarch_nb.runtime.heartbeat_relay). It reads and drops what the controller sends (its heartbeats
 to attached hosts). Commands on stdin, one a line: ``exit IDENTITY`` (report that proc exited by
 SIGKILL, as an agent does on SIGCHLD), ``silence HOST`` (that host stops heartbeating, as a
@@ -196,12 +196,11 @@ def main() -> int:
 
     def heartbeat(name: str) -> None:
         """One host's heartbeat: an idle agent's, through its relay if it has one; a relay's with its members'."""
-        header = {"kind": Kind.AGENT_HEARTBEAT, "load": 0.1, "stopped": [], "heard": heard[name], "changed": {}}
+        header = {"kind": Kind.AGENT_HEARTBEAT, "load": 0.1, "stopped": [], "heard": heard[name], "changed": {},
+                  "all_heard": len(heard[name])}
         relay = relays.get(name)
         if relay is not None:
-            taken = relay.take()
-            if taken:
-                header["members"] = taken
+            relay.take().into(header)
             relay.beat_members(0.0)
         member = members.get(name)
         if member is not None and member.silent():  # its relay fell silent: straight again (checked every tick)

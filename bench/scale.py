@@ -251,12 +251,14 @@ def _relay_lost(ctrl, names: list[str], sim: subprocess.Popen) -> dict:
             straight_s = time.perf_counter() - t0
             break
         time.sleep(0.005)
+    # who was not (member -> the relay it was last heard through): the JSON is all there is to read afterwards
+    not_straight = {m: ctrl.hosts[m].via_relay for m in members if ctrl.hosts[m].via_relay}
     lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == relay, 30, since)
     lost_s = time.perf_counter() - t0 if lost is not None else float("nan")
     time.sleep(config.hang_timeout_s)  # a member wrongly lost would be lost by now
     wrongly = [e.host for e in ctrl.events.events("host_lost", since_seq=since) if e.host in members]
     return {"relay": relay, "relay_members": len(members), "relay_lost_s": lost_s, "relay_members_straight_s": straight_s,
-            "relay_members_wrongly_lost": len(wrongly)}
+            "relay_members_wrongly_lost": len(wrongly), "relay_members_not_straight": not_straight}
 
 
 def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20, via_agents: bool = True,

@@ -81,3 +81,27 @@ def test_a_killed_relay_loses_only_its_own_host_and_its_member_goes_straight(pai
     values = counters.incr.call(1).get(timeout=30).values()
     assert values[rank_on[relay]] == 1 and values[rank_on[member]] == 6
     assert [e.host for e in ctrl.events.events("host_lost", since_seq=since)] == [relay]
+
+
+def test_idle_members_are_heard_on_their_relays_word_and_a_stopped_proc_there_is_still_hung(paired_hosts):
+    ctrl, hosts, procs, counters, members = paired_hosts
+    member = sorted(members)[0]
+    rank = {ctrl.proc_record(procs.name, r).host: r for r in range(4)}[member]
+    rec = ctrl.proc_record(procs.name, rank)
+    since = ctrl.events.next_seq
+    # idle for two hang timeouts: the member's agent has nothing new to say, its relay passes on its
+    # name and count alone (QuietMember), and that is what keeps the member's proc healthy
+    start = time.monotonic()
+    wait_until(lambda: time.monotonic() - start > 2 * config.hang_timeout_s
+               and time.monotonic() - ctrl.procs.host_heard(member).at < config.hang_timeout_s / 2, 30,
+               message=f"{member}'s relay vouching for its procs for two hang timeouts")
+    assert ctrl.events.events("proc_hung", since_seq=since) == [] and ctrl.events.events("host_lost", since_seq=since) == []
+    assert rec.state == ProcState.HEALTHY and ctrl.hosts[member].via_relay == members[member]
+    # a SIGSTOPped proc on that host: its agent says so (news, passed on whole), no more word that
+    # all were heard, and the hang check judges it: hung and fenced within the usual deadline
+    os.kill(rec.pid, signal.SIGSTOP)
+    hung = ctrl.events.wait_for(lambda e: e.kind == "proc_hung" and e.rank == rank, hang_deadline_s(), since)
+    assert hung is not None, f"rank {rank} on {member} SIGSTOPped, not reported hung"
+    assert [e.rank for e in ctrl.events.events("proc_hung", since_seq=since)] == [rank]
+    wait_until(lambda: rec.state == ProcState.FAILED, 10, message="the hung proc fenced (SIGKILL) and its exit seen")
+    assert counters.slice(hosts=[r for r in range(4) if r != rank][0]).incr.call_one(2).get(timeout=10) == 2

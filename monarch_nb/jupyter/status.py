@@ -51,7 +51,7 @@ def _running(busy: dict, cells: dict[int, tuple[str, float]], rank: int) -> str:
 def status_text(session: Any, auto_mode: bool = False) -> str:
     """The status of ``session``'s mesh: header, one row per rank, running cells, last events."""
     records = [session.controller.proc_record(session.mesh_name, rank) for rank in range(session.world_size)]
-    states = [(rec.host, rec.state, rec.pid, rec.last_heartbeat, rec.alive, rec.restarts, dict(rec.busy)) for rec in records]
+    states = [(rec.host, rec.state, rec.pid, rec.last_heard, rec.alive, rec.restarts, dict(rec.busy)) for rec in records]
     stats = session.stats()  # after reading the records: asking makes a rank busy for a moment
     now = time.monotonic()
     cells: dict[int, tuple[str, float]] = {}
@@ -89,7 +89,7 @@ def records_text(controller: Any, mesh: str, world_size: int) -> str:
     rows = [f"mesh {mesh}: {world_size} procs", *_hosts_lines(controller, [rec.host for rec in records]),
             f"{'rank':>4}  {'host':<{width}}  {'state':<10} {'pid':>7}  {'heartbeat':>9}  {'restarts':>8}  running"]
     for rank, rec in enumerate(records):
-        age = f"{now - rec.last_heartbeat:.1f} s" if rec.last_heartbeat and rec.alive else "-"
+        age = f"{now - rec.last_heard:.1f} s" if rec.last_heard and rec.alive else "-"
         rows.append(f"{rank:>4}  {rec.host:<{width}}  {rec.state:<10} {rec.pid:>7}  {age:>9}  {rec.restarts:>8}  "
                     f"{_running(rec.busy, {}, rank)}")
     rows += _events(controller, mesh, {rec.host for rec in records})

@@ -40,7 +40,7 @@ from ..config import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..supervision.events import Event, EventLog
 from ..supervision.policy import SupervisionPolicy
-from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, proc_identity
+from ..supervision.records import ActorSpawn, HostRecord, ProcMeshRecord, ProcRecord, ProcTable, proc_identity
 from ..supervision.tree import snapshot
 from ..transport import shm
 from ..transport.channel import Channel
@@ -54,8 +54,7 @@ from .messenger import Messenger
 from .output import LineAssembler, OutputLine, deliver, print_output
 from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHeader, AgentHeartbeatHeader, AgentHelloHeader,
                        CallHeader, FaultFiredHeader, FaultHeader, Handler, HeartbeatFields, InterruptHeader, Kind, LogLevelHeader,
-                       OutputHeader,
-                       ProcExitedHeader, ProcSpawnedHeader, SignalHeader, SparesHeader, validate_fault)
+                       OutputHeader, ProcExitedHeader, ProcSpawnedHeader, QuietMember, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
 from .workspaces import Workspaces
@@ -115,7 +114,7 @@ class Controller:
                                     self._from_local_host)
         self.messenger.local[LOCAL_PROC] = self.local_host.dispatch
         self.events = EventLog()
-        self.procs: dict[str, ProcRecord] = {}
+        self.procs = ProcTable()
         self.meshes: dict[str, ProcMeshRecord] = {}
         self.hosts: dict[str, HostRecord] = {}
         self.output_sinks: list[Callable[[OutputLine], None]] = [print_output]
@@ -516,6 +515,17 @@ class Controller:
                     self._host_heard(member, entry["stopped"], entry["heard"], entry["changed"])
             except (KeyError, TypeError, ValueError, AttributeError) as exc:  # one bad entry costs only itself
                 log.warning("dropped a malformed relayed heartbeat from %s: %r", name, exc)
+        for row in header.get("quiet", ()):  # ... and those with nothing new to say: all their procs heard
+            try:
+                quiet = QuietMember.from_wire(row)
+            except (TypeError, ValueError) as exc:
+                log.warning("dropped a malformed relayed heartbeat from %s: %r", name, exc)
+                continue
+            member = self.host_agents.on_heartbeat(route_id(quiet.src), quiet.load, via=name)
+            if member is not None:
+                if member.stopped:
+                    self._host_heard(member, (), (), {})
+                self.liveness.on_host_heard_all(member.name, quiet.procs)
 
     def _host_heard(self, host: HostRecord, stopped_procs: Iterable[str], heard: Iterable[str],
                     changed: Mapping[str, HeartbeatFields]) -> None:

@@ -59,7 +59,7 @@ from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
-from .relay import AgentRelay, RelayMember
+from .relay import AgentRelay, Relayed, RelayMember
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, RelayJoinHeader, RelayReadyHeader, SignalHeader,
@@ -637,7 +637,7 @@ class HostAgent:
             elif state == "R":
                 runnable += 1
         load = round(runnable / self.cores, 2)
-        members = self.relay.take() if self.relay is not None else []
+        members = self.relay.take() if self.relay is not None else Relayed()
         left = ""
         if self.member is not None and self.member.silent():  # straight again, at once, before the hang timeout
             left = self.member.relay
@@ -648,8 +648,9 @@ class HostAgent:
         if procs is not None:  # None: nothing new to say, and it was said one interval ago
             header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "load": load, "stopped": stopped,
                                             "heard": list(procs.heard), "changed": procs.changed}
-            if members:
-                header["members"] = members
+            if procs.complete and not procs.changed and not stopped:  # nothing new: a relay may say so in a few bytes
+                header["all_heard"] = len(procs.heard)
+            members.into(header)
             if left:
                 header["relay_left"] = left
             if self.member is not None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 from ..config import config
 from ..errors import SupervisionError
-from ..supervision.records import ProcRecord, ProcState
+from ..supervision.records import SERVING, ProcRecord, ProcState, ProcTable
 from ..transport.wire import route_id
 from .heartbeat_relay import IDLE_HEARTBEAT_EVERY
 from .protocol import FailedProc, HeartbeatFields, HelloHeader, Kind, PeerHeader, ProcExitedHeader, ProcsFailedHeader
@@ -36,13 +36,16 @@ __all__ = ["Liveness", "LivenessController"]
 
 log = logging.getLogger(__name__)
 
+#: The procs a host agent's word "all heard" applies to: those the hang check judges.
+_HEARD_ALL = SERVING | {ProcState.HUNG}
+
 
 class LivenessController(Protocol):
     """What :class:`Liveness` uses of its controller (:class:`~.controller.Controller` is one)."""
 
     @property
-    def procs(self) -> dict[str, ProcRecord]:
-        """Proc identity -> its record (the states this room moves)."""
+    def procs(self) -> ProcTable:
+        """Proc identity -> its record (the states this room moves), each host's at hand."""
 
     @property
     def hosts(self) -> dict[str, HostRecord]:
@@ -84,6 +87,7 @@ class Liveness:
 
     def __init__(self, controller: LivenessController) -> None:
         self.ctrl = controller
+        self._hung: dict[str, ProcRecord] = {}  # procs the hang check found hung, until they are not (IO thread)
 
     # -- messages (IO thread) -------------------------------------------------------------------
     def on_hello(self, rec: ProcRecord, header: HelloHeader) -> None:
@@ -114,13 +118,45 @@ class Liveness:
             if rec is None or rec.host != host:
                 continue
             if rec.state == ProcState.HUNG:  # silent, then heard again: the full path (it may resume)
-                self.on_heartbeat(rec, {"busy": rec.busy, "loading": rec.loading, "paused": rec.paused})
+                self._resume_if_hung(rec)
             else:
                 rec.last_heartbeat = now
         for identity, fields in changed.items():
             rec = self.ctrl.procs.get(route_id(identity))
             if rec is not None and rec.host == host:
                 self.on_heartbeat(rec, fields)
+
+    def on_host_heard_all(self, host: str, procs: int) -> bool:
+        """Host agent ``host`` heard all its ``procs`` procs with a rank, none changed (a relay's
+        :class:`~.protocol.QuietMember`): every alive proc of the host counts as heard now, in one
+        write (the host's :class:`~monarch_nb.supervision.records.HostHeard`, read through
+        :attr:`ProcRecord.last_heard`), and the hang check skips the host. A proc it had found
+        hung, and not fenced, resumes.
+
+        Returns False, and takes none as heard, when the controller has more serving (or hung)
+        procs on ``host`` than the agent heard: the agent does not run one of them (an exit on its
+        way, or a mismatch for the hang check to judge); its next heartbeat is taken afresh. The
+        count is compared without a look at each record while the host has no more records than
+        the agent heard (no dead proc's record kept there)."""
+        recs = self.ctrl.procs.on_host(host)
+        if len(recs) > procs:
+            judged = sum(1 for rec in recs if rec.state in _HEARD_ALL)
+            if judged > procs:
+                log.debug("host %s heard %d procs; the controller has %d serving there: none taken as heard", host,
+                          procs, judged)
+                return False
+        self.ctrl.procs.host_heard(host).at = time.monotonic()
+        if self._hung:  # silent, then heard again: the full path (it may resume)
+            for rec in [r for r in self._hung.values() if r.host == host]:
+                self._resume_if_hung(rec)
+        return True
+
+    def _resume_if_hung(self, rec: ProcRecord) -> None:
+        """A hung proc heard again, its fields as they were: :meth:`on_heartbeat` (it resumes unless fenced)."""
+        if rec.state == ProcState.HUNG:
+            self.on_heartbeat(rec, {"busy": rec.busy, "loading": rec.loading, "paused": rec.paused})
+        if rec.state != ProcState.HUNG:
+            self._hung.pop(rec.identity, None)
 
     def on_heartbeat(self, rec: ProcRecord, header: HeartbeatFields) -> None:
         """A heartbeat of ``rec``'s proc (straight from it, or in its agent's summary)."""
@@ -199,7 +235,13 @@ class Liveness:
         ctrl = self.ctrl
         now = time.monotonic()
         cutoff = now - config.hang_timeout_s  # no allowance is shorter: only procs silent this long are judged
-        late = [rec for rec in ctrl.procs.values() if rec.last_heartbeat < cutoff]  # one comparison per proc
+        if self._hung:
+            self._hung = {identity: rec for identity, rec in self._hung.items() if rec.state == ProcState.HUNG}
+        late: list[ProcRecord] = []
+        for heard, recs in ctrl.procs.by_host():
+            if heard.at >= cutoff:
+                continue  # its agent heard all its procs since the cutoff (on_host_heard_all): none is late
+            late.extend(rec for rec in recs if rec.last_heartbeat < cutoff)  # one comparison per proc
         if not late:
             return
         host_silent_s = (IDLE_HEARTBEAT_EVERY + 1) * config.heartbeat_interval_s  # an idle agent beats every 2nd interval
@@ -210,9 +252,11 @@ class Liveness:
             if not rec.serving or rec.host in silent_hosts:
                 continue  # not serving, or its whole host is silent: a lost host (the host check's), not a hang
             allowed = self.allowance_s(rec)
-            if now - rec.last_heartbeat > allowed:
+            silent_s = now - rec.last_heard  # its own heartbeat, or its agent's word before the cutoff
+            if silent_s > allowed:
                 rec.move(ProcState.HUNG, "no heartbeat")
-                detail = self._silence_detail(rec, now - rec.last_heartbeat, allowed, now)
+                self._hung[rec.identity] = rec
+                detail = self._silence_detail(rec, silent_s, allowed, now)
                 ctrl.record_event("proc_hung", rec, detail=detail, cause="heartbeat")
                 self.fail_proc(rec, "hung", detail, None)
                 if config.fence_hung:

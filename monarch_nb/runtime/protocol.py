@@ -290,9 +290,46 @@ class RelayedHeartbeat(TypedDict):
     changed: dict[str, HeartbeatFields]
 
 
+@dataclass(frozen=True)
+class QuietMember:
+    """A member agent whose heartbeat said nothing new, as its relay vouches for it (an entry of
+    :attr:`AgentHeartbeatHeader.quiet`): every one of its ``procs`` procs with a rank was heard
+    since its last heartbeat, no proc's fields changed, none is stopped. The controller takes
+    each of that host's serving procs as heard (one record lookup per host, not one per proc).
+
+    Attributes:
+        src: the member agent's identity (host name # its pid).
+        load: its host's runnable procs per core.
+        procs: how many procs it heard (all it runs with a rank).
+    """
+
+    src: str
+    load: float
+    procs: int
+
+    def to_wire(self) -> list[Any]:
+        """``[src, load, procs]``: what a relay's heartbeat carries (3 items, not a dict per host)."""
+        return [self.src, self.load, self.procs]
+
+    @staticmethod
+    def from_wire(row: Any) -> "QuietMember":
+        """One entry of a relay's ``quiet`` list.
+
+        Raises:
+            ValueError, TypeError: not ``[str, number, int]`` (one bad entry costs only itself).
+        """
+        src, load, procs = row
+        if not isinstance(src, str) or isinstance(procs, bool) or not isinstance(procs, int):
+            raise TypeError(f"not [src, load, procs]: {row!r}")
+        return QuietMember(src, float(load), procs)
+
+
 class RelayedHeartbeats(TypedDict, total=False):
     members: list[RelayedHeartbeat]  # a relay's: its members' heartbeats since its last heartbeat (monarch_nb.runtime.relay)
+    quiet: list[list[Any]]  # a relay's: its members whose heartbeat said nothing new (QuietMember.to_wire each)
     relay_left: str  # a member's first heartbeat straight again: the relay it stopped hearing
+    all_heard: int  # this heartbeat says nothing new: all of the agent's this many procs with a rank heard,
+    # no fields changed, none stopped (its relay may pass it on as a QuietMember); absent otherwise
 
 
 class RelayJoinHeader(Header):

@@ -7,7 +7,11 @@ Here some agents are *relays*: each binds a ROUTER (CurveZMQ when the cluster en
 address that reaches the controller, its *member* agents (up to ``config.relay_fan_in - 1`` of
 them) send it the heartbeats they would send the controller, and the relay puts those heard since
 its last heartbeat into its own (:attr:`~.protocol.AgentHeartbeatHeader.members`). So the
-controller receives and sends one message per relay per interval.
+controller receives and sends one message per relay per interval. A member whose heartbeat said
+nothing new (all its procs heard, no fields changed, none stopped: an idle host) is passed on as
+its name, load and count of procs alone (:class:`~.protocol.QuietMember`), and the controller
+takes that host's procs as heard in one step: at 1,024 idle hosts the controller's work per
+idle host is a record lookup and a few timestamps, not a lookup per proc (docs/scale.md).
 
 Only heartbeats take the tree. Everything else keeps its path: a proc's exit (the agent's
 SIGCHLD), an agent's hello or exit, output, spawns, signals and casts go straight between the
@@ -52,9 +56,9 @@ import zmq
 from ..transport.channel import curve_server
 from ..transport.keys import Trust
 from ..transport.wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
-from .protocol import AgentHeartbeatHeader, Kind, RelayBeatHeader, RelayedHeartbeat
+from .protocol import AgentHeartbeatHeader, Kind, QuietMember, RelayBeatHeader, RelayedHeartbeat
 
-__all__ = ["AgentRelay", "RelayMember", "RelayTree", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
+__all__ = ["AgentRelay", "RelayMember", "RelayTree", "Relayed", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,29 @@ def _socket(kind: int) -> "zmq.Socket[Any]":
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.RCVHWM, 0)
     return sock
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A relay's members' heartbeats since its last heartbeat (:meth:`AgentRelay.take`).
+
+    Attributes:
+        members: those that said something (a proc silent or changed, a proc stopped), whole.
+        quiet: those that said nothing new: name, load and count of procs only.
+    """
+
+    members: list[RelayedHeartbeat] = field(default_factory=list)
+    quiet: list[QuietMember] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.members or self.quiet)
+
+    def into(self, header: AgentHeartbeatHeader) -> None:
+        """Put them into the relay's own heartbeat (``members``, ``quiet``; neither when empty)."""
+        if self.members:
+            header["members"] = self.members
+        if self.quiet:
+            header["quiet"] = [q.to_wire() for q in self.quiet]
 
 
 class AgentRelay:
@@ -110,6 +137,7 @@ class AgentRelay:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._guard = ReplayGuard()
         self._pending: dict[str, RelayedHeartbeat] = {}  # member host -> its heartbeats since the last take, merged
+        self._all_heard: dict[str, int] = {}  # member host -> its latest heartbeat's all_heard (absent: it had none)
         self._members: dict[bytes, float] = {}  # member route -> when last heard (monotonic)
         self._seq = 0
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -156,13 +184,27 @@ class AgentRelay:
             heard = [identity for identity in heard if identity not in changed]
         self._pending[host] = RelayedHeartbeat(src=header["src"], load=float(header.get("load", 0.0)),
                                                stopped=list(header.get("stopped", ())), heard=heard, changed=changed)
+        all_heard = header.get("all_heard")
+        if isinstance(all_heard, int) and not isinstance(all_heard, bool) and all_heard >= 0:
+            self._all_heard[host] = all_heard
+        else:
+            self._all_heard.pop(host, None)
 
-    def take(self) -> list[RelayedHeartbeat]:
-        """The members' heartbeats heard since the last take (for this agent's heartbeat)."""
+    def take(self) -> Relayed:
+        """The members' heartbeats heard since the last take (for this agent's heartbeat): a member
+        whose latest heartbeat said nothing new (``all_heard``), with no changed fields from an
+        earlier one of this interval and no stopped proc, as a :class:`~.protocol.QuietMember`."""
         self.on_readable()  # the socket's edge may have been taken by a send
-        taken = list(self._pending.values())
+        taken = Relayed()
+        for host, entry in self._pending.items():
+            procs = self._all_heard.get(host)
+            if procs is not None and not entry["changed"] and not entry["stopped"]:
+                taken.quiet.append(QuietMember(entry["src"], entry["load"], procs))
+            else:
+                taken.members.append(entry)
         self._pending.clear()
-        self.passed += len(taken)
+        self._all_heard.clear()
+        self.passed += len(taken.members) + len(taken.quiet)
         return taken
 
     def beat_members(self, controller_age_s: float) -> None:

@@ -28,6 +28,8 @@ __all__ = [
     "MOVES",
     "RACY_MOVES",
     "ProcRecord",
+    "HostHeard",
+    "ProcTable",
     "ActorSpawn",
     "ProcMeshRecord",
     "HostRecord",
@@ -106,6 +108,19 @@ def proc_identity(proc_mesh: str, rank: int) -> str:
 
 
 @dataclass
+class HostHeard:
+    """When a host agent last said, through its relay, that all its procs were heard and nothing
+    changed (:class:`~monarch_nb.runtime.protocol.QuietMember`): one cell per host, shared by the
+    records of its procs (:class:`ProcTable`), so the controller takes a host's word in one write.
+
+    Attributes:
+        at: ``time.monotonic()`` of the word (0: never).
+    """
+
+    at: float = 0.0
+
+
+@dataclass
 class ProcRecord:
     """One proc: a node of the supervision tree.
 
@@ -117,7 +132,9 @@ class ProcRecord:
         state: a :class:`ProcState`; changed only by :meth:`move`.
         pid: the current incarnation's pid (0 until known).
         restarts: times it was restarted.
-        last_heartbeat: ``time.monotonic()`` of its last heartbeat.
+        last_heartbeat: ``time.monotonic()`` of its last heartbeat of its own (:attr:`last_heard`
+            counts its agent's word that all of the host's procs were heard, too).
+        host_heard: its host's :class:`HostHeard` (set by :class:`ProcTable`).
         busy: actor -> [endpoint, seconds running], from the last heartbeat.
         output_tail: its last 200 output lines.
         exit_info: ``{"returncode", "signal"}`` of the last exit, or None.
@@ -156,6 +173,7 @@ class ProcRecord:
     os_stopped: bool = False
     restart_lock: threading.Lock = field(default_factory=threading.Lock)
     on_spare: bool = False
+    host_heard: HostHeard = field(default_factory=HostHeard, repr=False, compare=False)
     _state_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def move(self, new: ProcState, why: str) -> ProcState:
@@ -191,6 +209,77 @@ class ProcRecord:
     def serving(self) -> bool:
         """It answers calls (healthy or busy)."""
         return self.state in SERVING
+
+    @property
+    def last_heard(self) -> float:
+        """``time.monotonic()`` the proc was last heard: its own heartbeat, or (while alive) its
+        host agent's word that all its procs were heard, whichever is later (0: never)."""
+        if self.state in ALIVE:
+            return max(self.last_heartbeat, self.host_heard.at)
+        return self.last_heartbeat
+
+
+class ProcTable(dict[str, ProcRecord]):
+    """The controller's proc records: identity -> :class:`ProcRecord`, and each host's at hand.
+
+    A dict whose records are written and removed one at a time (``table[identity] = record``,
+    ``table.pop(identity, None)``). It keeps each host's records together (:meth:`on_host`,
+    :meth:`by_host`: no scan of every proc) and gives them the host's :class:`HostHeard` cell,
+    so a relay's word that all of a host's procs were heard is one write
+    (:meth:`~monarch_nb.runtime.liveness.Liveness.on_host_heard_all`). A host's records are an
+    immutable tuple, replaced whole, so a reader on another thread never sees one half written.
+
+    Raises:
+        TypeError: on ``update``, ``setdefault``, ``popitem``, ``clear`` and ``|=``: one at a time.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_host: dict[str, tuple[ProcRecord, ...]] = {}
+        self._heard: dict[str, HostHeard] = {}
+
+    def __setitem__(self, identity: str, record: ProcRecord) -> None:
+        self._unindex(self.get(identity))
+        record.host_heard = self.host_heard(record.host)
+        super().__setitem__(identity, record)
+        self._by_host[record.host] = (*self._by_host.get(record.host, ()), record)
+
+    def __delitem__(self, identity: str) -> None:
+        self._unindex(self.get(identity))
+        super().__delitem__(identity)
+
+    def pop(self, identity: str, *default: Any) -> Any:
+        self._unindex(self.get(identity))
+        return super().pop(identity, *default)
+
+    def on_host(self, host: str) -> tuple[ProcRecord, ...]:
+        """The records of the procs host agent ``host`` runs or ran, in the order written."""
+        return self._by_host.get(host, ())
+
+    def by_host(self) -> list[tuple[HostHeard, tuple[ProcRecord, ...]]]:
+        """(host's cell, its records) for every host with records (a copy: safe while others write)."""
+        heard = self._heard
+        return [(heard[host], records) for host, records in list(self._by_host.items())]
+
+    def host_heard(self, host: str) -> HostHeard:
+        """``host``'s cell (made on first use; kept, so a record written later shares it)."""
+        cell = self._heard.get(host)
+        if cell is None:
+            cell = self._heard.setdefault(host, HostHeard())
+        return cell
+
+    def _unindex(self, record: ProcRecord | None) -> None:
+        if record is not None:
+            rest = tuple(r for r in self._by_host.get(record.host, ()) if r is not record)
+            if rest:
+                self._by_host[record.host] = rest
+            else:
+                self._by_host.pop(record.host, None)
+
+    def _one_at_a_time(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("proc records are written one at a time: table[identity] = record")
+
+    update = setdefault = popitem = clear = __ior__ = _one_at_a_time
 
 
 @dataclass

@@ -152,7 +152,8 @@ def _snapshot(hosts: Iterable[HostRecord], meshes: Mapping[str, ProcMeshRecord],
 
 def _proc_node(rec: ProcRecord, spawns: list[tuple[ActorSpawn, frozenset[int]]], now: float) -> Node:
     alive = rec.alive
-    age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
+    heard = rec.last_heard
+    age = round(now - heard, 3) if heard else None
     started = rec.started_at
     detail: dict[str, Any] = {}
     if rec.exit_info:
@@ -169,7 +170,7 @@ def _proc_node(rec: ProcRecord, spawns: list[tuple[ActorSpawn, frozenset[int]]],
         uptime_s=round(now - started, 3) if alive and started and rec.state != ProcState.RESTARTING else None, detail=detail,
     )
     busy = dict(rec.busy) if alive else {}
-    since_hb = (now - rec.last_heartbeat) if rec.last_heartbeat else 0.0
+    since_hb = (now - heard) if heard else 0.0
     for spawn, on_ranks in spawns:
         if rec.rank not in on_ranks:
             continue

@@ -8,7 +8,9 @@ import time
 from typing import Callable
 
 
-from monarch_nb.runtime.protocol import AgentHeartbeatHeader, Kind
+import pytest
+
+from monarch_nb.runtime.protocol import AgentHeartbeatHeader, Kind, QuietMember
 from monarch_nb.runtime.relay import RELAY_READY_TIMEOUT_S, RELAY_SILENT_INTERVALS, AgentRelay, RelayJoin, RelayMember, RelayTree
 from monarch_nb.transport.wire import Signer, encode
 
@@ -24,9 +26,13 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def beat(heard: list[str] = (), changed: dict | None = None, load: float = 0.5, stopped: list[str] = ()) -> AgentHeartbeatHeader:
-    return {"kind": Kind.AGENT_HEARTBEAT, "src": "", "dst": "", "seq": 0, "load": load, "stopped": list(stopped),
-            "heard": list(heard), "changed": dict(changed or {})}
+def beat(heard: list[str] = (), changed: dict | None = None, load: float = 0.5, stopped: list[str] = (),
+         all_heard: int | None = None) -> AgentHeartbeatHeader:
+    header: AgentHeartbeatHeader = {"kind": Kind.AGENT_HEARTBEAT, "src": "", "dst": "", "seq": 0, "load": load,
+                                    "stopped": list(stopped), "heard": list(heard), "changed": dict(changed or {})}
+    if all_heard is not None:
+        header["all_heard"] = all_heard
+    return header
 
 
 class Pair:
@@ -51,7 +57,7 @@ class Pair:
             return len(self.relay._pending) >= count
 
         wait_for(enough)
-        got.extend(self.relay.take())
+        got.extend(self.relay.take().members)
         return sorted(got, key=lambda e: e["src"])
 
     def close(self) -> None:
@@ -69,15 +75,50 @@ def test_members_heartbeats_reach_the_relay_merged_per_member_and_are_taken_once
         b.send(beat(heard=["pm0.4#5"]))
         wait_for(lambda: (pair.relay.on_readable(), "host2" in pair.relay._pending and "host3" in pair.relay._pending
                           and pair.relay._guard._last.get("host2#200") == 2)[1])
-        first, second = pair.relay.take()
+        first, second = pair.relay.take().members
         assert first["src"] == "host2#200" and first["load"] == 1.5 and first["stopped"] == ["pm0.2#3"]
         # the two beats of one interval: every proc heard once, the newest fields of each kept
         assert first["changed"] == {"pm0.1#2": {"step": 3}, "pm0.0#1": {"step": 7}} and first["heard"] == []
         assert second == {"src": "host3#300", "load": 0.5, "stopped": [], "heard": ["pm0.4#5"], "changed": {}}
-        assert pair.relay.take() == [] and pair.relay.passed == 2
+        assert not pair.relay.take() and pair.relay.passed == 2
         assert pair.relay.members == ["host2", "host3"]
     finally:
         pair.close()
+
+
+def test_a_member_with_nothing_new_is_passed_on_as_its_name_load_and_count_only():
+    pair = Pair()
+    try:
+        idle, busy, merged = pair.member("host2#200"), pair.member("host3#300"), pair.member("host4#400")
+        idle.send(beat(heard=["pm0.0#1", "pm0.1#2"], load=0.25, all_heard=2))
+        busy.send(beat(heard=["pm0.2#3"], changed={"pm0.3#4": {"busy": {"a": ["step", 1.0]}}}))
+        # an interval's first beat changed a field, its second said nothing new: the change is passed on whole
+        merged.send(beat(changed={"pm0.4#5": {"loading": ["torch"]}}))
+        merged.send(beat(heard=["pm0.4#5"], all_heard=1))
+        wait_for(lambda: (pair.relay.on_readable(), len(pair.relay._pending) == 3
+                          and pair.relay._guard._last.get("host4#400") == 2)[1])
+        taken = pair.relay.take()
+        assert taken.quiet == [QuietMember("host2#200", 0.25, 2)]
+        assert [e["src"] for e in taken.members] == ["host3#300", "host4#400"]
+        assert taken.members[1]["changed"] == {"pm0.4#5": {"loading": ["torch"]}}
+        header = beat()
+        taken.into(header)
+        assert header["quiet"] == [["host2#200", 0.25, 2]] and QuietMember.from_wire(header["quiet"][0]) == taken.quiet[0]
+        # a proc stopped (SIGSTOP) is news whatever all_heard says; an all_heard that is not a count is none
+        idle.send(beat(heard=["pm0.0#1", "pm0.1#2"], stopped=["pm0.1#2"], all_heard=2))
+        busy.send(beat(heard=["pm0.2#3", "pm0.3#4"], all_heard=True))
+        wait_for(lambda: (pair.relay.on_readable(), len(pair.relay._pending) == 2)[1])
+        again = pair.relay.take()
+        assert again.quiet == [] and sorted(e["src"] for e in again.members) == ["host2#200", "host3#300"]
+        assert pair.relay.passed == 5
+    finally:
+        pair.close()
+
+
+def test_a_quiet_entry_that_is_not_src_load_count_is_refused():
+    for row in (["host2#1", 0.5], ["host2#1", "x", 2], [3, 0.5, 2], ["host2#1", 0.5, True], ["host2#1", 0.5, "2"], None):
+        with pytest.raises((TypeError, ValueError)):
+            QuietMember.from_wire(row)
 
 
 def test_a_relay_drops_forged_replayed_and_impersonating_heartbeats():
@@ -95,7 +136,7 @@ def test_a_relay_drops_forged_replayed_and_impersonating_heartbeats():
         honest.sock.send_multipart(encode(pair.signer, {"kind": Kind.OUTPUT, "src": "host6#600", "dst": "host1", "seq": 9}))
         wait_for(lambda: (pair.relay.on_readable(), sum(pair.relay.dropped.values()) >= 4)[1])
         assert dict(pair.relay.dropped) == {"bad": 1, "another's name": 1, "replayed": 1, "not a heartbeat": 1}
-        assert [e["src"] for e in pair.relay.take()] == ["host6#600"]
+        assert [e["src"] for e in pair.relay.take().members] == ["host6#600"]
     finally:
         pair.close()
 
