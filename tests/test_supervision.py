@@ -15,6 +15,7 @@ import torch
 import monarch_nb
 from monarch_nb import ActorError, SupervisionError
 from monarch_nb.config import config
+from monarch_nb.debug import format_stacks
 from monarch_nb.faults.chaos import ChaosSchedule
 from monarch_nb.runtime.controller import Controller
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY
@@ -134,14 +135,25 @@ def test_hang_is_detected_then_fenced(m):
     assert workers.slice(gpus=1).echo.call_one(1).get(timeout=DEADLINE_S) == 1
 
 
-def test_stall_holding_the_gil_is_a_hang(m):
+def test_stall_holding_the_gil_is_a_hang_and_its_stacks_are_kept_before_the_fencing(m):
     procs, _, _, ctrl = m
     since = ctrl.events.next_seq
-    procs.inject(1, "stall", seconds=4.0)
-    hung = wait_event(ctrl, procs, "proc_hung", 1, since)
-    assert hung.cause == "heartbeat"
-    assert hung.monotonic - injected_at(ctrl, procs, 1, since) <= config.hang_timeout_s + 1.0
-    assert wait_event(ctrl, procs, "proc_exited", 1, since).cause == "fenced"
+    printed: list = []
+    ctrl.output_sinks.append(printed.append)
+    try:
+        procs.inject(1, "stall", seconds=4.0)
+        hung = wait_event(ctrl, procs, "proc_hung", 1, since)
+        assert hung.cause == "heartbeat"
+        assert hung.monotonic - injected_at(ctrl, procs, 1, since) <= config.hang_timeout_s + 1.0
+        assert wait_event(ctrl, procs, "proc_exited", 1, since).cause == "fenced"
+    finally:
+        ctrl.output_sinks.remove(printed.append)
+    # where it hung: its agent took the stacks through faulthandler (the GIL held) before the
+    # SIGKILL, on the socket the exit report took after, so they are here by the exit event
+    stderr = "\n".join(line.text for line in printed if line.rank == 1 and line.stream == "stderr")
+    assert "was judged hung" in stderr and "in _hold_gil" in stderr, stderr
+    shown = format_stacks(procs, [1])
+    assert "just before it was fenced" in shown and "_hold_gil" in shown, shown
 
 
 def test_raise_gives_actor_error_and_proc_lives(m):

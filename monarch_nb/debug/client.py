@@ -414,7 +414,9 @@ def clear_failures(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | 
 def stack_data(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None = None,
                timeout_s: float = 1.0) -> dict[int, dict]:
     """Raw stacks by rank (see :mod:`monarch_nb.debug.stacks`): asked over the channel, and
-    through SIGUSR1 + faulthandler for a rank whose IO thread does not answer in ``timeout_s``.
+    through SIGUSR1 + faulthandler for a rank whose IO thread does not answer in ``timeout_s``;
+    for a rank fenced after a hang and not restarted, the stacks its host agent took just before
+    the SIGKILL (``"kept"`` says so).
 
     Raises:
         DebugError: no proc mesh, an unknown mesh or rank.
@@ -426,7 +428,10 @@ def stack_data(mesh: "ProcMesh | str | None" = None, ranks: Iterable[int] | None
     out: dict[int, dict] = {}
     for rank in chosen:
         rec = _rank_record(name, rank)
-        if not rec.alive:
+        if not rec.alive and rec.hung_stacks is not None and rec.hung_stacks.get("pid") == rec.pid:
+            out[rank] = {**rec.hung_stacks, "kept": f"rank {rank} is dead ({requests.dead_reason(rec)}): "
+                                                    "its stacks when it was judged hung, just before it was fenced"}
+        elif not rec.alive:
             out[rank] = {"pid": rec.pid, "source": "none", "why": f"rank {rank} is dead: {requests.dead_reason(rec)}"}
         elif rec.state == ProcState.HUNG or rec.pid == 0:
             out[rank] = stacks_mod.dump_with_signal(rec.pid) if rec.pid else {"pid": 0, "source": "none", "why": "not started"}

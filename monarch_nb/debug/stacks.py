@@ -12,7 +12,10 @@ Two ways to get them, tried in this order by :func:`monarch_nb.debug.client.stac
    ``/proc/<pid>/fd``, sends SIGUSR1 and reads what the C-level handler wrote: the stack of every
    thread, without needing the GIL. Thread names are not known then. Like any signal, it makes
    a blocking system call of the proc return early with EINTR (``sleep`` ends early; most C
-   libraries retry), which is why it is the fallback and not the first way.
+   libraries retry), which is why it is the fallback and not the first way. That part lives in
+   :mod:`monarch_nb.runtime.signal_stacks`: the host agent uses it too, to take a hung proc's
+   stacks just before it fences it (they are kept on the proc's record and shown here while the
+   rank is dead).
 
 :func:`format_stack` renders a rank's stacks as text, outermost call first like a traceback, with
 the runtime's own frames cut off the top; :func:`group_identical` groups ranks whose stacks read
@@ -21,11 +24,8 @@ the same, the usual shape of a collective hang being "N-1 ranks in all_reduce, o
 
 from __future__ import annotations
 
-import faulthandler
 import linecache
 import os
-import re
-import signal
 import sys
 import threading
 import time
@@ -33,6 +33,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
+from ..runtime.signal_stacks import MEMFD_NAME, dump_with_signal, install_faulthandler
 from .postmortem import is_runtime_frame
 
 if TYPE_CHECKING:
@@ -40,12 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["collect", "install_faulthandler", "dump_with_signal", "format_stack", "group_identical", "MEMFD_NAME"]
 
-MEMFD_NAME = "monarch_nb-stacks"
-STACK_SIGNAL = signal.SIGUSR1
 
 _PLUMBING_OUTER = ("threading", "monarch_nb.runtime.")
 _PLUMBING_INNER = ("pdb", "bdb", "cmd", "code", "queue", "threading", "monarch_nb.debug.")
-_PLUMBING_FILES = ("/threading.py", "/monarch_nb/runtime/")
 
 
 def _is(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -121,113 +119,6 @@ def collect(agent: "DebugAgent | None" = None) -> dict:
     return {"pid": os.getpid(), "source": "live", "threads": threads}
 
 
-def install_faulthandler() -> int | None:
-    """Make SIGUSR1 dump every thread's stack into an in-memory file; return its fd (None if
-    this platform has no ``memfd_create``)."""
-    create = getattr(os, "memfd_create", None)
-    if create is None:
-        return None
-    try:
-        fd = create(MEMFD_NAME)
-        faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return fd
-
-
-# -- controller side --------------------------------------------------------------------------------
-def _process_state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _find_memfd(pid: int) -> str | None:
-    base = f"/proc/{pid}/fd"
-    try:
-        entries = os.listdir(base)
-    except OSError:
-        return None
-    for entry in entries:
-        try:
-            target = os.readlink(f"{base}/{entry}")
-        except OSError:
-            continue
-        if target.startswith(f"/memfd:{MEMFD_NAME}"):
-            return f"{base}/{entry}"
-    return None
-
-
-def dump_with_signal(pid: int, timeout_s: float = 2.0) -> dict:
-    """Stacks of local process ``pid`` through its faulthandler (see the module docstring).
-
-    Returns ``{"pid", "source": "faulthandler", "threads": [...]}`` like :func:`collect` (thread
-    names unknown), or ``{"pid", "source": "none", "why": ...}`` when no dump could be had: the
-    process is gone, stopped (SIGSTOP; the signal waits until it continues), or has no dump file.
-    """
-    state = _process_state(pid)
-    if state is None or state in ("Z", "X"):
-        return {"pid": pid, "source": "none", "why": "the process is gone"}
-    if state in ("T", "t"):
-        return {"pid": pid, "source": "none", "why": "the process is stopped (SIGSTOP); it has no stack to show until it continues"}
-    path = _find_memfd(pid)
-    if path is None:
-        return {"pid": pid, "source": "none", "why": "the process has no faulthandler dump file (not a monarch_nb proc, or another host)"}
-    try:
-        with open(path, "rb") as f:
-            start = os.fstat(f.fileno()).st_size
-            os.kill(pid, STACK_SIGNAL)
-            deadline = time.monotonic() + timeout_s
-            size, stable_since = start, time.monotonic()
-            while time.monotonic() < deadline:
-                now_size = os.fstat(f.fileno()).st_size
-                if now_size != size:
-                    size, stable_since = now_size, time.monotonic()
-                elif size > start and time.monotonic() - stable_since > 0.05:
-                    break
-                time.sleep(0.005)
-            f.seek(start)
-            text = f.read(size - start).decode("utf-8", "replace")
-    except (OSError, ProcessLookupError) as exc:
-        return {"pid": pid, "source": "none", "why": f"could not read its dump: {exc}"}
-    if not text:
-        return {"pid": pid, "source": "none", "why": f"no dump within {timeout_s} s"}
-    return {"pid": pid, "source": "faulthandler", "threads": parse_faulthandler(text)}
-
-
-_THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")
-_FRAME_RE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-
-
-def parse_faulthandler(text: str) -> list[dict]:
-    """faulthandler's text dump as thread entries like :func:`collect`'s (outermost frame first)."""
-    threads: list[dict] = []
-    current: dict | None = None
-    for line in text.splitlines():
-        head = _THREAD_RE.match(line)
-        if head:
-            current = {"name": f"thread {head.group(2)}", "role": "other", "actor": None, "endpoint": None,
-                       "running_s": None, "state": "running", "hidden": 0, "frames": [],
-                       "current": head.group(1) == "Current thread"}
-            threads.append(current)
-            continue
-        frame = _FRAME_RE.match(line)
-        if frame and current is not None:
-            current["frames"].append([frame.group(1), int(frame.group(2)), frame.group(3), None])
-    for thread in threads:
-        frames = list(reversed(thread["frames"]))
-        start = 0
-        while start < len(frames) - 1 and any(p in frames[start][0] for p in _PLUMBING_FILES):
-            start += 1
-        thread["hidden"] = start
-        thread["frames"] = frames[start:]
-        if thread["frames"] and thread["frames"][0][2] == "main" and any("/monarch_nb/runtime/proc.py" in f[0] for f in frames):
-            thread["role"] = "io"
-    return threads
-
-
 def format_stack(data: dict, *, times: bool = True, indent: str = "  ") -> str:
     """One rank's stacks (from :func:`collect` or :func:`dump_with_signal`) as text.
 
@@ -236,7 +127,7 @@ def format_stack(data: dict, *, times: bool = True, indent: str = "  ") -> str:
     """
     if data.get("source") == "none":
         return f"{indent}(no stack: {data.get('why')})"
-    lines = []
+    lines = [f"{indent}({data['kept']})"] if data.get("kept") else []
     if data.get("source") == "faulthandler":
         lines.append(f"{indent}(from faulthandler via SIGUSR1: the proc's IO thread did not answer; thread names unknown)")
     for thread in data.get("threads", []):

@@ -20,6 +20,7 @@ thread because of a fault: it is a notebook kernel.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import secrets
@@ -54,7 +55,7 @@ from .messenger import Messenger
 from .output import LineAssembler, OutputLine, deliver, print_output
 from .protocol import (CONTROLLER, FAULT_KINDS, ActorErrorHeader, ActorFailedHeader, AgentHeartbeatHeader, AgentHelloHeader,
                        CallHeader, FaultFiredHeader, FaultHeader, Handler, HeartbeatFields, InterruptHeader, Kind, LogLevelHeader,
-                       OutputHeader, ProcExitedHeader, ProcSpawnedHeader, QuietMember, SignalHeader, SparesHeader, validate_fault)
+                       OutputHeader, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, QuietMember, SignalHeader, SparesHeader, validate_fault)
 from .proc_meshes import ProcMeshes
 from .supervisor import Supervisor
 from .workspaces import Workspaces
@@ -132,6 +133,7 @@ class Controller:
             Kind.OUTPUT: self._on_output,
             Kind.PROC_SPAWNED: self._on_proc_spawned,
             Kind.PROC_EXITED: self._on_proc_exited,
+            Kind.PROC_STACKS: self._on_proc_stacks,
             Kind.ACTOR_ERROR: self._from_proc(self._on_actor_error),
             Kind.FAULT_FIRED: self._from_proc(self._on_fault_fired),
             Kind.AGENT_HELLO: self._on_agent_hello,
@@ -381,10 +383,15 @@ class Controller:
         return self.events.append(Event(kind, rank=rec.rank, coords=rec.coords, pid=rec.pid, mesh=rec.mesh, host=rec.host,
                                         **fields))
 
-    def signal_proc(self, identity: str, signame: str) -> None:
-        """Have the proc's host agent send it ``signame`` (``"SIGKILL"``, ``"SIGSTOP"``, ...)."""
+    def signal_proc(self, identity: str, signame: str, *, stacks_first: bool = False) -> None:
+        """Have the proc's host agent send it ``signame`` (``"SIGKILL"``, ``"SIGSTOP"``, ...);
+        ``stacks_first``: a SIGKILL that fences a hung proc, its Python stacks taken first
+        (:meth:`_on_proc_stacks`; the kill waits for them up to
+        :data:`~.host_agent.HUNG_STACKS_TIMEOUT_S`)."""
         rec = self.procs[route_id(identity)]
         header: SignalHeader = {"kind": Kind.SIGNAL, "proc": rec.identity, "signal": signame}
+        if stacks_first:
+            header["stacks_first"] = True
         self.channel.send(rec.host, header)
 
     def send_request(self, rec: ProcRecord, kind: Kind, body: bytes, buffers: list, op: str) -> Future:
@@ -502,6 +509,26 @@ class Controller:
         if rec is not None:
             rec.pid = header["pid"]
             rec.on_spare = bool(header.get("spare"))
+
+    def _on_proc_stacks(self, header: ProcStacksHeader, body: Any, buffers: list[memoryview]) -> None:
+        """A hung proc's Python stacks, taken by its agent just before the fencing SIGKILL: kept on
+        its record (:attr:`ProcRecord.hung_stacks`, what ``%mesh stack`` shows while it is dead)
+        and written where its output goes, as its stderr, as faulthandler's own dumps are."""
+        rec = self.procs.get(route_id(header["proc"]))
+        if rec is None or rec.pid != header["pid"]:
+            return  # another incarnation's
+        try:
+            stacks = json.loads(bytes(body))
+            if not isinstance(stacks, dict):
+                raise ValueError(f"not a dict: {type(stacks).__name__}")
+        except ValueError as exc:
+            log.warning("dropped the stacks of hung proc %s: %s", rec.identity, exc)
+            return
+        rec.hung_stacks = stacks
+        text = stacks.get("text") if stacks.get("source") == "faulthandler" else None
+        said = str(text).rstrip().splitlines() if text else [f"  (none: {stacks.get('why', 'no dump')})"]
+        self.emit_lines(rec, "stderr", [f"[monarch_nb] rank {rec.rank} (pid {rec.pid}) was judged hung; its Python "
+                                        f"stacks before it was fenced (most recent call first):", *said])
 
     def _on_agent_heartbeat(self, header: AgentHeartbeatHeader, body: Any, buffers: list[memoryview]) -> None:
         name = route_id(header["src"])

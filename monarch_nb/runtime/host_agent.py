@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,9 +61,10 @@ from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, s
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
 from .relay import AgentRelay, Relayed, RelayMember
+from .signal_stacks import dump_with_signal
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
-                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, RelayJoinHeader, RelayReadyHeader, SignalHeader,
+                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader, SignalHeader,
                        SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
 from .workspace_files import FileEntry, WorkspaceCopy
 from .worker_loop import local_ip_for
@@ -74,6 +76,10 @@ SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP, "SIGCONT": sign
 #: Spares that die this many times in a row, each within SPARE_MIN_LIFE_S of its start, are not replaced.
 SPARE_MAX_QUICK_DEATHS = 3
 SPARE_MIN_LIFE_S = 5.0
+#: Seconds the agent waits for a hung proc's faulthandler to write its stacks before it fences it anyway.
+HUNG_STACKS_TIMEOUT_S = 0.5
+#: Seconds the dump file must stay the same size to count as written (delays the fencing SIGKILL by as much).
+HUNG_STACKS_SETTLE_S = 0.01
 #: Fork servers kept per agent (one per interpreter, environment and preload; the least recently used goes).
 MAX_FORK_SERVERS = 2
 
@@ -230,7 +236,7 @@ class HostAgent:
             self._spawn(spec)
 
     def _on_signal(self, header: SignalHeader, body: memoryview, buffers: list[memoryview]) -> None:
-        self._signal(header["proc"], header["signal"])
+        self._signal(header["proc"], header["signal"], stacks_first=bool(header.get("stacks_first")))
 
     def _host_env(self, proc_env: ProcEnv) -> ProcEnv:
         """Add what only this host knows to a proc's environment."""
@@ -422,16 +428,49 @@ class HostAgent:
                 pass
             self._forget(pid, child, report=True, status=-signal.SIGKILL)
 
-    def _signal(self, identity: str, signame: str) -> None:
+    def _signal(self, identity: str, signame: str, stacks_first: bool = False) -> None:
         for pid, child in self.children.items():
             if child.identity == identity:
+                state = _os_state(pid)
                 # a proc that already died (a zombie not reaped yet) is not the last signal's doing:
                 # its exit report says so, and the controller does not take a crash for its own kill
-                child.signalled = _os_state(pid) not in ("Z", "X", "?")
+                child.signalled = state not in ("Z", "X", "?")
+                if (stacks_first and signame == "SIGKILL" and child.signalled and state not in ("T", "t")
+                        and self._kill_after_stacks(pid, identity)):
+                    continue  # a stopped proc has no stack to give until it continues: killed at once
                 try:
                     os.kill(pid, SIGNALS[signame])
                 except ProcessLookupError:
                     pass
+
+    def _kill_after_stacks(self, pid: int, identity: str) -> bool:
+        """Fence hung proc ``pid``, its Python stacks first: on a thread of its own, the stacks
+        are taken through the proc's faulthandler (:func:`.signal_stacks.dump_with_signal`,
+        up to :data:`HUNG_STACKS_TIMEOUT_S`; it works while a C call holds the GIL) and sent to the
+        controller (``proc_stacks``) before the SIGKILL, on the socket its exit report takes after,
+        so they arrive first. The kill goes through a pidfd, so a pid reaped and reused meanwhile is
+        not hit. False (kill it now, without stacks) when no pidfd can be had."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # gone already, or a kernel before 5.3
+            return False
+
+        def stacks_then_kill() -> None:
+            try:
+                stacks = dump_with_signal(pid, timeout_s=HUNG_STACKS_TIMEOUT_S, settle_s=HUNG_STACKS_SETTLE_S)
+                header: ProcStacksHeader = {"kind": Kind.PROC_STACKS, "proc": identity, "pid": pid}
+                self.channel.send(CONTROLLER, header, json.dumps(stacks).encode())
+            except Exception:  # the fencing must happen whatever the dump did
+                log.exception("host %s: the stacks of hung proc %s (pid %d) could not be taken", self.name, identity, pid)
+            finally:
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except OSError:  # ProcessLookupError: it exited meanwhile
+                    pass
+                os.close(pidfd)
+
+        threading.Thread(target=stacks_then_kill, name=f"stacks-{identity}", daemon=True).start()
+        return True
 
     # -- warm spares ---------------------------------------------------------------------------------
     def _keep_spares(self, spec: dict) -> None:

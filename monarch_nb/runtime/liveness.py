@@ -69,8 +69,9 @@ class LivenessController(Protocol):
     def flush_output(self, rec: ProcRecord) -> None:
         """Emit the partial lines ``rec``'s proc left unterminated (it exited)."""
 
-    def signal_proc(self, identity: str, signame: str) -> None:
-        """Have the proc's host agent send it ``signame`` (fencing a hung proc: ``"SIGKILL"``)."""
+    def signal_proc(self, identity: str, signame: str, *, stacks_first: bool = False) -> None:
+        """Have the proc's host agent send it ``signame`` (fencing a hung proc: ``"SIGKILL"``, its
+        Python stacks taken first with ``stacks_first``)."""
 
     def respawn_actors(self, rec: ProcRecord) -> list[Future]:
         """Construct every actor of ``rec``'s rank again (a restarted proc); one Future each."""
@@ -261,7 +262,7 @@ class Liveness:
                 self.fail_proc(rec, "hung", detail, None)
                 if config.fence_hung:
                     rec.fenced = True
-                    ctrl.signal_proc(rec.identity, "SIGKILL")
+                    ctrl.signal_proc(rec.identity, "SIGKILL", stacks_first=True)  # where it hung, for the user
                     ctrl.record_event("proc_fenced", rec, detail="SIGKILL after hang", cause="fencing")
 
     def _silence_detail(self, rec: ProcRecord, silent_s: float, allowed_s: float, now: float) -> str:

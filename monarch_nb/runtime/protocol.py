@@ -86,6 +86,7 @@ class Kind(str, Enum):
     AGENT_EXITING = "agent_exiting"  # the agent exits on its own, its procs with it (AgentExitingHeader)
     PROC_SPAWNED = "proc_spawned"  # a proc process exists (ProcSpawnedHeader)
     PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
+    PROC_STACKS = "proc_stacks"  # a hung proc's Python stacks, taken just before it was fenced (ProcStacksHeader; JSON body)
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
     WORKSPACE_SYNCED = "workspace_synced"  # what a WORKSPACE did (WorkspaceSyncedHeader)
     RELAY_READY = "relay_ready"  # the relay socket is bound, or could not be (RelayReadyHeader)
@@ -239,9 +240,21 @@ class FaultFiredHeader(Header):
     detail: str
 
 
-class SignalHeader(Header):
+class _SignalFlags(TypedDict, total=False):
+    stacks_first: bool  # a SIGKILL that fences a hung proc: take its Python stacks first (PROC_STACKS)
+
+
+class SignalHeader(Header, _SignalFlags):
     proc: str
     signal: str
+
+
+class ProcStacksHeader(Header):
+    """A hung proc's stacks, as its host agent took them through its faulthandler just before the
+    fencing SIGKILL (the body: :func:`.signal_stacks.dump_with_signal`'s dict, as JSON)."""
+
+    proc: str  # its identity
+    pid: int  # the incarnation the stacks are of
 
 
 class AgentHelloHeader(Header):

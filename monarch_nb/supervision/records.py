@@ -135,6 +135,9 @@ class ProcRecord:
         last_heartbeat: ``time.monotonic()`` of its last heartbeat of its own (:attr:`last_heard`
             counts its agent's word that all of the host's procs were heard, too).
         host_heard: its host's :class:`HostHeard` (set by :class:`ProcTable`).
+        hung_stacks: the Python stacks of the last incarnation judged hung, taken by its host agent
+            just before it was fenced (:func:`monarch_nb.runtime.signal_stacks.dump_with_signal`'s dict,
+            its ``pid`` that incarnation's), or None.
         busy: actor -> [endpoint, seconds running], from the last heartbeat.
         output_tail: its last 200 output lines.
         exit_info: ``{"returncode", "signal"}`` of the last exit, or None.
@@ -174,6 +177,7 @@ class ProcRecord:
     restart_lock: threading.Lock = field(default_factory=threading.Lock)
     on_spare: bool = False
     host_heard: HostHeard = field(default_factory=HostHeard, repr=False, compare=False)
+    hung_stacks: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     _state_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def move(self, new: ProcState, why: str) -> ProcState:

@@ -29,6 +29,7 @@ class StandIn:
         self.hosts: dict[str, HostRecord] = {}
         self.events: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
+        self.signalled: list[tuple[str, str, bool]] = []
         self.channel = self.messenger = self
 
     # channel / messenger
@@ -53,8 +54,8 @@ class StandIn:
     def report_failure(self, rec: ProcRecord, cause: str, detail: str, signame: str | None, *, handle: bool = True) -> None:
         self.failed.append((rec.identity, cause))
 
-    def signal_proc(self, identity: str, signame: str) -> None:
-        pass
+    def signal_proc(self, identity: str, signame: str, *, stacks_first: bool = False) -> None:
+        self.signalled.append((identity, signame, stacks_first))
 
 
 def test_the_proc_table_keeps_each_hosts_records_through_writes_and_removals():
@@ -95,6 +96,7 @@ def test_all_heard_takes_each_alive_proc_of_the_host_as_heard_and_the_hang_check
     assert liveness.on_host_heard_all("h1", 3)
     liveness.check_heartbeats()
     assert [e for e in ctrl.events if e[0] == "proc_hung"] == [("proc_hung", "pm0.4")]
+    assert ctrl.signalled == [("pm0.4", "SIGKILL", True)], "fenced, its stacks taken first"
     assert all(rec.state != ProcState.HUNG for rec in serving)
     # h1's agent stops vouching (a proc stopped: it lists those it heard): the silent one is judged
     # from the agent's last word, not from its own last heartbeat long before
