@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -95,6 +96,31 @@ def test_a_broadcast_is_one_message_through_the_host_agent_and_a_later_call_neve
             assert counters.slice(gpus=n % 4).get_value.call_one().get(timeout=10) == n
         assert channel.sent_via_agents - before == 100, "each broadcast: one message through the agent; the calls straight"
         assert counters.get_value.call().get(timeout=30).values() == [100] * 4
+    finally:
+        channel.fan_min_procs, channel.fan_min_hosts = FAN_MIN_PROCS, FAN_MIN_HOSTS
+
+
+def test_a_failure_and_a_recovery_reach_the_peers_in_one_message_through_their_host_agent(procs4):
+    """A proc's failure (and its return) is told to every live peer; where the peers are linked to
+    their agent that is one message a host, as a cast is. The peers act on it: a call to the dead
+    rank from inside an endpoint fails at once, and works again once the rank is back."""
+    ctrl = Controller.get()
+    channel = ctrl.channel
+    channel.fan_min_procs, channel.fan_min_hosts = 2, 1  # the defaults (8 procs, 2 hosts) send these straight
+    try:
+        counters = procs4.spawn("counters", Counter)
+        callers = procs4.spawn("callers", Caller, counters)
+        assert callers.slice(gpus=0).sum_of_peers.call_one().get(timeout=10) == 0
+        since, before = ctrl.events.next_seq, channel.sent_via_agents
+        os.kill(ctrl.proc_record(procs4.name, 3).pid, signal.SIGKILL)
+        assert ctrl.events.wait_for(lambda e: e.kind == "proc_exited" and e.rank == 3, 10, since) is not None
+        wait_until(lambda: channel.sent_via_agents > before, 10, message="the peers told through host0's agent")
+        with pytest.raises(ActorError, match="rank 3"):
+            callers.slice(gpus=0).sum_of_peers.call_one().get(timeout=10)
+        before = channel.sent_via_agents
+        procs4.restart(3, timeout_s=30)  # returns once the peers were told it serves again
+        assert channel.sent_via_agents > before, "its return told through host0's agent"
+        assert callers.slice(gpus=0).sum_of_peers.call_one().get(timeout=10) == 0
     finally:
         channel.fan_min_procs, channel.fan_min_hosts = FAN_MIN_PROCS, FAN_MIN_HOSTS
 

@@ -314,9 +314,9 @@ class Liveness:
         for rec in recs:
             ctrl.messenger.proc_failed(rec.identity, SupervisionError(rec.rank, cause, detail, signame))
         note = FailedProc.encode([FailedProc(rec.identity, rec.rank, cause, detail, signame) for rec in recs])
-        for other in self._peers({rec.identity for rec in recs}, include_starting=False):
-            failed: ProcsFailedHeader = {"kind": Kind.PROC_FAILED, "count": len(recs)}
-            ctrl.channel.send(other.identity, failed, note)
+        failed: ProcsFailedHeader = {"kind": Kind.PROC_FAILED, "count": len(recs)}
+        peers = self._peers({rec.identity for rec in recs}, include_starting=False)
+        ctrl.channel.send_many([(other.identity, {}) for other in peers], failed, note)  # one message a host
         for mesh in dict.fromkeys(rec.mesh for rec in recs):
             ctrl.new_rendezvous_round(mesh)  # after the peers know: none forms a group on the new round meanwhile
         for rec in recs:
@@ -328,9 +328,9 @@ class Liveness:
 
     def _tell_recovered(self, rec: ProcRecord, include_starting: bool) -> None:
         self.ctrl.messenger.proc_recovered(rec.identity)
-        for other in self._peers({rec.identity}, include_starting):
-            recovered: PeerHeader = {"kind": Kind.PROC_RECOVERED, "proc": rec.identity}
-            self.ctrl.channel.send(other.identity, recovered)
+        recovered: PeerHeader = {"kind": Kind.PROC_RECOVERED, "proc": rec.identity}
+        peers = self._peers({rec.identity}, include_starting)
+        self.ctrl.channel.send_many([(other.identity, {}) for other in peers], recovered)  # one message a host
 
     def _respawn_actors(self, rec: ProcRecord) -> None:
         """A restarted proc said hello: construct its actors again, then it serves."""

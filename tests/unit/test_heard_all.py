@@ -36,6 +36,9 @@ class StandIn:
     def send(self, dst: str, header: Any, *body: Any) -> None:
         pass
 
+    def send_many(self, items: Any, header: Any, *body: Any) -> None:
+        pass
+
     def proc_failed(self, identity: str, error: Exception) -> None:
         pass
 
