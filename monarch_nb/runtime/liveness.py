@@ -281,8 +281,8 @@ class Liveness:
         detail = f"host {host} lost: {why}"
         failed: list[ProcRecord] = []
         unsupervised: set[str] = set()
-        for rec in list(ctrl.procs.values()):
-            if rec.host != host or rec.state in (ProcState.FAILED, ProcState.STOPPED):
+        for rec in ctrl.procs.on_host(host):  # its records only (a tuple: safe while others are written)
+            if rec.state in (ProcState.FAILED, ProcState.STOPPED):
                 continue
             stopping, starting = rec.state == ProcState.STOPPING, rec.state == ProcState.STARTING
             rec.move(ProcState.STOPPED if stopping else ProcState.FAILED, "host lost")
