@@ -156,6 +156,25 @@ def test_stall_holding_the_gil_is_a_hang_and_its_stacks_are_kept_before_the_fenc
     assert "just before it was fenced" in shown and "_hold_gil" in shown, shown
 
 
+def test_a_hung_rank_restarted_at_once_still_has_its_stacks_taken_before_the_kill(m):
+    """The restart's own SIGKILL, sent right behind the fencing (no backoff), waits for the
+    stacks: they are printed before the rank is back."""
+    procs, workers, _, ctrl = m
+    procs.supervise("restart", max_restarts=1, backoff_s=0.0)
+    since = ctrl.events.next_seq
+    printed: list = []
+    ctrl.output_sinks.append(printed.append)
+    try:
+        procs.inject(2, "stall", seconds=10.0)
+        wait_event(ctrl, procs, "proc_hung", 2, since)
+        wait_event(ctrl, procs, "proc_restarted", 2, since)
+    finally:
+        ctrl.output_sinks.remove(printed.append)
+    stderr = "\n".join(line.text for line in printed if line.rank == 2 and line.stream == "stderr")
+    assert "was judged hung" in stderr and "in _hold_gil" in stderr, stderr
+    assert workers.slice(gpus=2).echo.call_one(2).get(timeout=DEADLINE_S) == 2
+
+
 def test_raise_gives_actor_error_and_proc_lives(m):
     procs, workers, _, ctrl = m
     since = ctrl.events.next_seq

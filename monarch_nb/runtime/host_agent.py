@@ -148,6 +148,7 @@ class HostAgent:
         self.relay: AgentRelay | None = None  # other agents' heartbeats pass through us (monarch_nb.runtime.relay)
         self.member: RelayMember | None = None  # ours go through another agent
         self.children: dict[int, ChildProc] = {}  # pid -> child
+        self._taking_stacks: set[int] = set()  # pids being fenced, their stacks taken first (a thread each)
         self.pools: dict[str, SparePool] = {}  # mesh -> what to keep
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         sweep_stale_run_dirs()  # of agents killed before they could clean up
@@ -435,6 +436,8 @@ class HostAgent:
                 # a proc that already died (a zombie not reaped yet) is not the last signal's doing:
                 # its exit report says so, and the controller does not take a crash for its own kill
                 child.signalled = state not in ("Z", "X", "?")
+                if signame == "SIGKILL" and pid in self._taking_stacks:
+                    continue  # its stacks are being taken (a fencing): that thread kills it right after
                 if (stacks_first and signame == "SIGKILL" and child.signalled and state not in ("T", "t")
                         and self._kill_after_stacks(pid, identity)):
                     continue  # a stopped proc has no stack to give until it continues: killed at once
@@ -449,11 +452,14 @@ class HostAgent:
         up to :data:`HUNG_STACKS_TIMEOUT_S`; it works while a C call holds the GIL) and sent to the
         controller (``proc_stacks``) before the SIGKILL, on the socket its exit report takes after,
         so they arrive first. The kill goes through a pidfd, so a pid reaped and reused meanwhile is
-        not hit. False (kill it now, without stacks) when no pidfd can be had."""
+        not hit. Another SIGKILL asked for meanwhile (a restart of the hung rank, right behind the
+        fencing) waits for it (:attr:`_taking_stacks`), so the stacks are not lost to it. False
+        (kill it now, without stacks) when no pidfd can be had."""
         try:
             pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # gone already, or a kernel before 5.3
             return False
+        self._taking_stacks.add(pid)
 
         def stacks_then_kill() -> None:
             try:
@@ -468,6 +474,7 @@ class HostAgent:
                 except OSError:  # ProcessLookupError: it exited meanwhile
                     pass
                 os.close(pidfd)
+                self._taking_stacks.discard(pid)
 
         threading.Thread(target=stacks_then_kill, name=f"stacks-{identity}", daemon=True).start()
         return True
