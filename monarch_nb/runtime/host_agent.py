@@ -61,7 +61,7 @@ from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, s
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
 from .relay import AgentRelay, Relayed, RelayMember
-from .signal_stacks import dump_with_signal
+from .signal_stacks import dump_with_signal, os_state
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader, SignalHeader,
@@ -432,7 +432,7 @@ class HostAgent:
     def _signal(self, identity: str, signame: str, stacks_first: bool = False) -> None:
         for pid, child in self.children.items():
             if child.identity == identity:
-                state = _os_state(pid)
+                state = os_state(pid)
                 # a proc that already died (a zombie not reaped yet) is not the last signal's doing:
                 # its exit report says so, and the controller does not take a crash for its own kill
                 child.signalled = state not in ("Z", "X", "?")
@@ -677,7 +677,7 @@ class HostAgent:
         heartbeats since the last one (see :mod:`.heartbeat_relay`)."""
         stopped, runnable = [], 0
         for pid, child in list(self.children.items()):
-            state = _os_state(pid)
+            state = os_state(pid)
             if state in ("T", "t") and child.identity is not None:
                 stopped.append(child.identity)
             elif state == "R":
@@ -805,15 +805,6 @@ def _local_ip_toward(controller: str) -> str:
         raise ValueError(f"a relay needs a tcp:// controller address, not {controller!r}")
     ip = controller[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
     return local_ip_for(ip)
-
-
-def _os_state(pid: int) -> str:
-    """The state letter of ``/proc/PID/stat`` (R running, S sleeping, T stopped, Z zombie, ...)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return "?"
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import re
 import signal
 import time
 
-__all__ = ["install_faulthandler", "dump_with_signal", "parse_faulthandler", "MEMFD_NAME", "STACK_SIGNAL"]
+__all__ = ["install_faulthandler", "dump_with_signal", "parse_faulthandler", "os_state", "MEMFD_NAME", "STACK_SIGNAL"]
 
 MEMFD_NAME = "monarch_nb-stacks"
 STACK_SIGNAL = signal.SIGUSR1
@@ -43,12 +43,14 @@ def install_faulthandler() -> int | None:
     return fd
 
 
-def _process_state(pid: int) -> str | None:
+def os_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (R running, S sleeping, T stopped, Z zombie, ...),
+    ``"?"`` when it cannot be read (no such process)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
-        return None
+        return "?"
 
 
 def _find_memfd(pid: int) -> str | None:
@@ -78,8 +80,8 @@ def dump_with_signal(pid: int, timeout_s: float = 2.0, settle_s: float = 0.05) -
     be had: the process is gone, stopped (SIGSTOP; the signal waits until it continues), or has
     no dump file.
     """
-    state = _process_state(pid)
-    if state is None or state in ("Z", "X"):
+    state = os_state(pid)
+    if state in ("?", "Z", "X"):
         return {"pid": pid, "source": "none", "why": "the process is gone"}
     if state in ("T", "t"):
         return {"pid": pid, "source": "none", "why": "the process is stopped (SIGSTOP); it has no stack to show until it continues"}
