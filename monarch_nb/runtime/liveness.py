@@ -88,7 +88,6 @@ class Liveness:
 
     def __init__(self, controller: LivenessController) -> None:
         self.ctrl = controller
-        self._hung: dict[str, ProcRecord] = {}  # procs the hang check found hung, until they are not (IO thread)
 
     # -- messages (IO thread) -------------------------------------------------------------------
     def on_hello(self, rec: ProcRecord, header: HelloHeader) -> None:
@@ -119,7 +118,7 @@ class Liveness:
             if rec is None or rec.host != host:
                 continue
             if rec.state == ProcState.HUNG:  # silent, then heard again: the full path (it may resume)
-                self._resume_if_hung(rec)
+                self._resume_hung(rec)
             else:
                 rec.last_heartbeat = now
         for identity, fields in changed.items():
@@ -147,17 +146,14 @@ class Liveness:
                           procs, judged)
                 return False
         self.ctrl.procs.host_heard(host).at = time.monotonic()
-        if self._hung:  # silent, then heard again: the full path (it may resume)
-            for rec in [r for r in self._hung.values() if r.host == host]:
-                self._resume_if_hung(rec)
+        for rec in recs:
+            if rec.state == ProcState.HUNG:  # silent, then heard again: the full path (it may resume)
+                self._resume_hung(rec)
         return True
 
-    def _resume_if_hung(self, rec: ProcRecord) -> None:
+    def _resume_hung(self, rec: ProcRecord) -> None:
         """A hung proc heard again, its fields as they were: :meth:`on_heartbeat` (it resumes unless fenced)."""
-        if rec.state == ProcState.HUNG:
-            self.on_heartbeat(rec, {"busy": rec.busy, "loading": rec.loading, "paused": rec.paused})
-        if rec.state != ProcState.HUNG:
-            self._hung.pop(rec.identity, None)
+        self.on_heartbeat(rec, {"busy": rec.busy, "loading": rec.loading, "paused": rec.paused})
 
     def on_heartbeat(self, rec: ProcRecord, header: HeartbeatFields) -> None:
         """A heartbeat of ``rec``'s proc (straight from it, or in its agent's summary)."""
@@ -236,8 +232,6 @@ class Liveness:
         ctrl = self.ctrl
         now = time.monotonic()
         cutoff = now - config.hang_timeout_s  # no allowance is shorter: only procs silent this long are judged
-        if self._hung:
-            self._hung = {identity: rec for identity, rec in self._hung.items() if rec.state == ProcState.HUNG}
         late: list[ProcRecord] = []
         for heard, recs in ctrl.procs.by_host():
             if heard.at >= cutoff:
@@ -256,7 +250,6 @@ class Liveness:
             silent_s = now - rec.last_heard  # its own heartbeat, or its agent's word before the cutoff
             if silent_s > allowed:
                 rec.move(ProcState.HUNG, "no heartbeat")
-                self._hung[rec.identity] = rec
                 detail = self._silence_detail(rec, silent_s, allowed, now)
                 ctrl.record_event("proc_hung", rec, detail=detail, cause="heartbeat")
                 self.fail_proc(rec, "hung", detail, None)
