@@ -25,9 +25,11 @@ With ``--answer`` the procs answer calls too (:class:`SimProcs`: a connection pe
 socket). With ``--linked`` as well, the procs are linked to their agents (as real procs are,
 monarch_nb.runtime.proc_link): the controller sends their messages to the host's DEALER, one
 message per host for a cast or a call to all, and the simulated agent reads it once and answers
-for each of its procs named in it (the replies go from each proc's own connection, as real
-procs' do). Simulated, not real: the procs (no process; they exist as the controller's records, in
-their agent's heartbeat and, with ``--answer``, as connections that answer), their actors (a
+for each of its procs named in it: a call to all's replies signed by each proc and gathered by
+the host's :class:`~monarch_nb.runtime.reply_gather.ReplyGather` (the real agent's), one
+message per host, as real linked procs' are; other replies from each proc's own connection.
+Simulated, not real: the procs (no process; they exist as the controller's records, in their
+agent's heartbeat and, with ``--answer``, as connections that answer), their actors (a
 constructor returns None, every call 0), spawning, CurveZMQ.
 """
 
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY, tick_phase_s  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
 from monarch_nb.runtime.relay import AgentRelay, RelayMember  # noqa: E402
+from monarch_nb.runtime.reply_gather import ReplyGather  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
 from monarch_nb.transport.wire import BadMessage, Signer, decode, encode  # noqa: E402
 
@@ -101,6 +104,7 @@ class SimProcs:
         self.casts: dict[int, int] = {}  # broadcast number -> procs that got it
         self.cast_no = dict.fromkeys(identities, 0)  # proc -> broadcasts it got
         self.total = len(identities)
+        self.gathered = dict.fromkeys(identities, 0)  # proc -> replies it sent its agent for gathering (gk)
 
     def serve(self) -> None:
         """Answer every message waiting on the procs' own connections (never blocks)."""
@@ -113,19 +117,22 @@ class SimProcs:
                 continue
             self.answer(bytes(frames[0]).decode(), header)
 
-    def serve_routed(self, frames: list) -> None:
+    def serve_routed(self, frames: list, gather: ReplyGather) -> None:
         """A message the controller sent through a simulated agent (``@ROUTE[,ROUTE...]``, then
-        the signed frames): read once, answered for each proc named (its own fields from ``fan``)."""
+        the signed frames): read once, answered for each proc named (its own fields from ``fan``),
+        a call to all's replies through the agent's ``gather`` as linked procs' are."""
         try:
             header, _, _ = decode(self.signer, frames[1:])
         except BadMessage:
             return
         fan = header.pop("fan", None)
-        for route in bytes(frames[0])[1:].decode().split(","):
-            self.answer(route, {**header, **fan[route]} if fan is not None else header)
+        routes = bytes(frames[0])[1:].decode().split(",")
+        for route in routes:
+            self.answer(route, {**header, **fan[route]} if fan is not None else header, gather if len(routes) > 1 else None, len(routes))
 
-    def answer(self, identity: str, header: dict) -> None:
-        """What proc ``identity`` with a trivial actor does with ``header``'s message."""
+    def answer(self, identity: str, header: dict, gather: ReplyGather | None = None, expected: int = 1) -> None:
+        """What proc ``identity`` with a trivial actor does with ``header``'s message (its reply
+        signed, then through ``gather`` when the call allows it, else from its own connection)."""
         if header.get("kind") not in (Kind.CALL, Kind.SPAWN):
             return  # proc_failed, rendezvous, stop, ...: nothing a trivial actor answers
         if "cid" not in header:  # a broadcast: no reply wanted
@@ -139,6 +146,11 @@ class SimProcs:
         reply = {"kind": Kind.REPLY, "cid": header["cid"], "idx": header["idx"], "ok": True,
                  "src": f"{identity}#{self.pid}", "dst": header["reply_to"], "seq": self.seqs[identity]}
         body = _NONE if header["kind"] == Kind.SPAWN else _ZERO
+        if gather is not None and "gth" in header:
+            self.gathered[identity] += 1
+            reply["gk"] = self.gathered[identity]
+            gather.on_link_message(identity.encode(), [b"%%%d" % expected, *encode(self.signer, reply, body)])
+            return
         self.sock.send_multipart([identity.encode(), *encode(self.signer, reply, body)])
 
 
@@ -164,10 +176,18 @@ def main() -> int:
     heard = {name: [f"{mesh}.{h * per_host + g}" for g in range(per_host)] for h, name in enumerate(names)}
     procs = SimProcs(ctx, address, signer, [identity for name in names for identity in heard[name]]) if answer else None
 
-    def send(name: str, header: dict) -> None:
+    def send(name: str, header: dict, body: bytes = b"") -> None:
         seqs[name] += 1
         header.update(src=f"{name}#{pid}", dst=CONTROLLER, seq=seqs[name])
-        socks[name].send_multipart(encode(signer, header))
+        socks[name].send_multipart(encode(signer, header, body))
+
+    timers: list[tuple[float, object]] = []  # (due, fn): the gatherers' call_later
+
+    def call_later(delay_s: float, fn) -> None:
+        timers.append((time.monotonic() + delay_s, fn))
+
+    # each host's gathering of its procs' replies (the real agent's code)
+    gathers = {name: ReplyGather(signer, lambda header, body, name=name: send(name, header, body), call_later) for name in names}
 
     relays: dict[str, AgentRelay] = {}  # hosts serving as relays
     members: dict[str, RelayMember] = {}  # hosts heartbeating through a relay
@@ -176,7 +196,7 @@ def main() -> int:
     def from_controller(name: str, frames: list) -> None:
         """What a host agent does with the controller's message: the relay tree's, or nothing."""
         if procs is not None and bytes(frames[0])[:1] == b"@":  # for its procs (--linked)
-            procs.serve_routed(frames)
+            procs.serve_routed(frames, gathers[name])
             return
         try:
             header, _, _ = decode(signer, frames)
@@ -244,7 +264,13 @@ def main() -> int:
             for name, sock in socks.items():
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     from_controller(name, sock.recv_multipart(copy=False))
-        wait = max(0.0, min(due.values()) - time.monotonic())
+        if timers:
+            now = time.monotonic()
+            for timer in [t for t in timers if t[0] <= now]:
+                timers.remove(timer)
+                timer[1]()
+        wait = max(0.0, min(min(due.values()), *(t[0] for t in timers)) - time.monotonic()) if timers else \
+            max(0.0, min(due.values()) - time.monotonic())
         if procs is not None:
             procs.serve()
             readable = [fd for fd, _ in poller.poll(1000 * min(wait, 0.05)) if fd == sys.stdin.fileno()]

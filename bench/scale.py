@@ -310,7 +310,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
             ctrl.procs[identity] = rec
             identities.append(identity)
             if via_agents:  # what a linked proc's hello does
-                ctrl.channel.route_via(identity, names[h], rec.pid)
+                ctrl.channel.route_via(identity, names[h], sim.pid)  # the incarnation its messages name (the simulator's pid)
         ctrl.meshes[mesh] = ProcMeshRecord(mesh, Extent({"hosts": hosts, "gpus": per_host}), identities,
                                            supervision=SupervisionPolicy("isolate"))
         tree_s = float("nan")

@@ -125,6 +125,32 @@ def test_a_failure_and_a_recovery_reach_the_peers_in_one_message_through_their_h
         channel.fan_min_procs, channel.fan_min_hosts = FAN_MIN_PROCS, FAN_MIN_HOSTS
 
 
+def test_a_call_to_alls_replies_come_back_through_the_host_agent_as_the_call_went(procs4):
+    """Where a call to all reaches a host's procs through their agent, their replies come back
+    through it too, gathered (issue 25): the values, the errors (each rank's) and a tensor (it
+    comes straight, the agent told) are what they were, and no reply came by itself."""
+    channel = Controller.get().channel
+    channel.fan_min_procs, channel.fan_min_hosts = 2, 1  # the defaults (8 procs, 2 hosts) send these straight
+    try:
+        workers = procs4.spawn("w", Worker)
+        assert workers.echo.call(0).get(timeout=10).values() == [0, 0, 0, 0]
+        bundles, straight = channel.received["replies"], channel.received["reply"]
+        assert workers.echo.call(7).get(timeout=10).values() == [7, 7, 7, 7]
+        with pytest.raises(ActorError) as info:
+            workers.fail.call("boom").get(timeout=10)
+        assert info.value.rank == 0 and sorted(e.rank for e in info.value.others) == [1, 2, 3] and "boom" in str(info.value)
+        assert channel.received["reply"] == straight, "every reply came gathered"
+        assert 2 <= channel.received["replies"] - bundles <= 8, "one message a call (more if a rank answered late)"
+        x = torch.randn(64, 64)
+        values = workers.echo.call(x).get(timeout=10).values()
+        assert all(torch.equal(v, x) for v in values)
+        assert channel.received["reply"] == straight + 4, "a tensor reply goes straight"
+        assert workers.slice(gpus=2).echo.call_one(3).get(timeout=10) == 3
+        assert not channel.dropped
+    finally:
+        channel.fan_min_procs, channel.fan_min_hosts = FAN_MIN_PROCS, FAN_MIN_HOSTS
+
+
 def test_tensors_round_trip_without_copy_into_stream(procs4):
     workers = procs4.spawn("w", Worker)
     x = torch.randn(512, 512)  # 1 MiB

@@ -137,6 +137,8 @@ class ActorHost:
         dst = header["reply_to"]
         if dst == self.messenger.identity:
             self.messenger.on_reply(reply, body, buffers)
+        elif "_fanned" in header and "gth" in header:  # a cast's: this host's replies may go as one (Channel.send)
+            self._send(dst, reply, body, buffers, gather=header["_fanned"])
         else:
             self._send(dst, reply, body, buffers)
 

@@ -128,6 +128,7 @@ class Controller:
         self.supervisor = Supervisor(self)
         self._handlers: dict[str, Handler] = {
             Kind.REPLY: self.messenger.on_reply,
+            Kind.REPLIES: self.messenger.on_replies,
             Kind.HEARTBEAT: self._from_proc(self.liveness.on_heartbeat),
             Kind.HELLO: self._from_proc(self.liveness.on_hello),
             Kind.OUTPUT: self._on_output,

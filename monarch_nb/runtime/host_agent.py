@@ -60,6 +60,7 @@ from ..transport.wire import Header, Signer
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
+from .reply_gather import ReplyGather
 from .relay import AgentRelay, Relayed, RelayMember
 from .signal_stacks import dump_with_signal, os_state
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
@@ -158,6 +159,9 @@ class HostAgent:
         self.heartbeats = HeartbeatRelay(self.folder, self._ranked_children, enabled=env.relay_heartbeats)
         self.link = AgentLink(self.folder, enabled=env.link_procs)  # the controller's messages for our procs, passed on
         self.channel.on_routed = self.link.forward
+        # our procs' replies to a cast, sent to the controller as one message
+        self.replies = ReplyGather(self.signer, lambda header, body: self.channel.send(CONTROLLER, header, body), self.channel.call_later)
+        self.link.on_gathered = self.replies.on_link_message
         self.cadence = IdleCadence()  # an idle host's heartbeat every second interval
         self.subreaper = become_subreaper()
         self.servers: dict[str, ForkServer] = {}  # server_key -> server (a dead one stays: no retry storm)
@@ -663,6 +667,8 @@ class HostAgent:
                 self._report_spares(child.mesh)
             return
         if report:
+            self.link.on_readable()  # what it answered (read off the link now) goes out before its exit report
+            self.replies.flush_all()
             signame = signal.Signals(-status).name if status < 0 else None
             exited: ProcExitedHeader = {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": status,
                                         "signal": signame, "time": time.time(), "on_request": child.signalled}

@@ -29,7 +29,7 @@ from ..errors import ActorError, SupervisionError, error_from_reply
 from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
 from ..transport.wire import route_id
-from .protocol import CallHeader, ControlHeader, Handler, Kind, PortHeader, ReplyHeader, SpawnFlags
+from .protocol import CallHeader, ControlHeader, Handler, Kind, PortHeader, RepliesHeader, ReplyHeader, SpawnFlags
 
 __all__ = ["Messenger"]
 
@@ -190,6 +190,8 @@ class Messenger:
             pending.display = display
         header["cid"] = cid
         header["reply_to"] = self.identity
+        if streams is None and len(targets) > 1:
+            header["gth"] = 1  # the future takes every reply at once: their host agents may gather them
         with self._lock:
             self._pending[cid] = pending
         items: list[tuple[str, dict[str, Any]]] = []
@@ -243,16 +245,39 @@ class Messenger:
     # -- replies --------------------------------------------------------------------------------
     def on_reply(self, header: ReplyHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle a ``reply`` message (IO thread, or a local actor's thread)."""
-        cid, index = header.get("cid"), header.get("idx")
+        cid = header.get("cid")
         pending = self._pending.get(cid)
         if pending is None:
             return  # cancelled or already failed: drop the late reply
+        self._take_reply(pending, cid, header.get("idx"), bool(header.get("ok")), body, buffers)
+
+    def on_replies(self, header: RepliesHeader, body: Any, buffers: list[memoryview]) -> None:
+        """Handle a host agent's ``replies`` (its procs' replies to one call, gathered; the
+        channel checked that each is from a proc linked to that agent). A reply from another
+        proc than the call's target at its index is dropped."""
+        cid = header["cid"]
+        pending = self._pending.get(cid)
+        if pending is None:
+            return
+        view, offset = memoryview(body), 0
+        for item in header["gathered"]:
+            if len(item) != 5 or type(item[4]) is not int:
+                log.warning("dropped the rest of gathered replies to call %s: a malformed item %r", cid, item)
+                return
+            src, _gk, index, ok, nbytes = item
+            chunk, offset = view[offset:offset + nbytes], offset + nbytes
+            if type(index) is not int or not 0 <= index < len(pending.targets) or route_id(pending.targets[index].proc) != route_id(str(src)):
+                log.warning("dropped a gathered reply of %s for index %r of call %s: not that call's target", src, index, cid)
+                continue
+            self._take_reply(pending, cid, index, bool(ok), chunk, [])
+
+    def _take_reply(self, pending: _PendingCall, cid: str, index: int, ok: bool, body: Any, buffers: list[memoryview]) -> None:
         try:
             payload = loads(body, buffers)
         except SerializationError as exc:
             self._complete(cid, index, error=exc)
             return
-        if header.get("ok"):
+        if ok:
             self._complete(cid, index, value=payload)
         else:
             target = pending.targets[index]

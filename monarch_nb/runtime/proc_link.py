@@ -4,8 +4,10 @@ A message of the controller's for several procs of one host (a ``broadcast``, a 
 spawn) is sent once, to the host agent (:meth:`~monarch_nb.transport.channel.Channel.send_many`),
 which passes it on to each: one message over the network and one send of the controller's per
 host, not per proc. A message for one proc (``call_one``) still goes straight to it, as do the
-procs' own messages (replies, calls to other actors); the controller numbers what it sends a
-linked proc, so the two paths keep their order (see :mod:`monarch_nb.transport.channel`).
+procs' own messages (calls to other actors, replies to a ``call_one``); the controller numbers
+what it sends a linked proc, so the two paths keep their order (see
+:mod:`monarch_nb.transport.channel`). The way back: a proc's reply to a cast goes to the agent,
+which sends the controller its host's replies as one message (:mod:`.reply_gather`).
 
 The agent binds a ROUTER on a Unix socket in its run folder (:class:`AgentLink`); a proc connects
 a DEALER under its routing identity (:func:`link_to_agent`), says ``link`` and waits for the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -55,6 +57,9 @@ class AgentLink:
     def __init__(self, folder: str, *, enabled: bool = True) -> None:
         self.forwarded = 0
         self.unreachable = 0
+        #: ``on_gathered(route, frames)`` for a proc's reply sent for gathering (first frame ``%N``;
+        #: :class:`~monarch_nb.runtime.reply_gather.ReplyGather`); None: such messages are dropped
+        self.on_gathered: Callable[[bytes, list[Any]], None] | None = None
         path = os.path.join(folder, _SOCKET_NAME)
         self.address = f"ipc://{path}" if enabled and len(path) <= _MAX_UNIX_PATH else ""
         self.sock: zmq.Socket[Any] | None = None
@@ -77,7 +82,8 @@ class AgentLink:
         return int(self.sock.getsockopt(zmq.FD)) if self.sock is not None else -1
 
     def on_readable(self, fd: int = -1) -> None:
-        """Answer every ``link`` waiting (a proc that just connected)."""
+        """Answer every ``link`` waiting (a proc that just connected); hand on the procs' replies
+        sent for gathering."""
         sock = self.sock
         while sock is not None and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             try:
@@ -89,6 +95,11 @@ class AgentLink:
                     sock.send_multipart([frames[0], _LINKED])
                 except zmq.ZMQError:  # gone again already
                     self.unreachable += 1
+            elif len(frames) >= 3 and frames[1][:1] == b"%" and self.on_gathered is not None:
+                try:
+                    self.on_gathered(frames[0], frames[1:])
+                except Exception:
+                    log.exception("a reply for gathering from %r failed; the agent goes on", frames[0])
 
     def forward(self, routes: list[bytes], frames: list[Any]) -> None:
         """Pass ``frames`` (a signed message, unread) to each proc of ``routes``."""
@@ -118,6 +129,7 @@ def link_to_agent(address: str, route: str, timeout_s: float = LINK_TIMEOUT_S) -
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # replies for gathering go this way too: never block, never drop
     sock.setsockopt(zmq.IDENTITY, route.encode())
     sock.connect(address)
     sock.send(_LINK)

@@ -86,6 +86,7 @@ class Kind(str, Enum):
     AGENT_EXITING = "agent_exiting"  # the agent exits on its own, its procs with it (AgentExitingHeader)
     PROC_SPAWNED = "proc_spawned"  # a proc process exists (ProcSpawnedHeader)
     PROC_EXITED = "proc_exited"  # a proc process ended (ProcExitedHeader)
+    REPLIES = "replies"  # the replies of this host's procs to one call, gathered (RepliesHeader; their bodies, joined)
     PROC_STACKS = "proc_stacks"  # a hung proc's Python stacks, taken just before it was fenced (ProcStacksHeader; JSON body)
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
     WORKSPACE_SYNCED = "workspace_synced"  # what a WORKSPACE did (WorkspaceSyncedHeader)
@@ -118,6 +119,8 @@ class CallHeader(Header, SpawnFlags, total=False):
     port: list[str]  # [owner, port id]: the reply goes to this port instead (send(..., port=))
     mx: list[list[Any]]  # [labels, sizes] of the slice the call went to, when not the spawn mesh (current_rank)
     mi: int  # the target's index in that slice
+    gth: int  # 1: the replies may be gathered per host (a call whose future takes them all, not a stream)
+    _fanned: int  # set where the call is served: it came in a cast to this many procs of the host (never sent)
     asep: int  # 1: call a method not marked @endpoint (as_endpoint)
     _done: bool  # set where the call is served, once it was answered (never sent)
 
@@ -132,6 +135,15 @@ class ReplyHeader(Header):
     cid: str
     idx: int
     ok: bool
+
+
+class RepliesHeader(Header):
+    """REPLIES: a host agent's gathering of its procs' replies to call ``cid``: ``gathered`` holds
+    ``[src, gk, idx, ok, nbytes]`` per reply (the proc's identity, its gathered-reply number,
+    the ReplyHeader's ``idx`` and ``ok``, the length of its body); the bodies follow one another
+    in the message's body, in that order."""
+
+    cid: str
 
 
 class PortHeader(Header, total=False):

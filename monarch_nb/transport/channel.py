@@ -42,6 +42,17 @@ frame of its own would cost a send and a receive more). The proc delivers them i
 order (:meth:`Channel._in_order`): one that overtook an earlier one waits for it; a number
 already delivered, or another incarnation's, is dropped. A proc reads its agent's link as a
 second socket of its loop (:meth:`Channel.add_link`).
+
+Replies gathered per host (the way back): a linked proc's reply to a call that reached it in a
+cast (``fan`` of two or more, the call marked ``gth``) goes, signed as ever, to its host agent
+over the link (:meth:`Channel.send` with ``gather``), which verifies it and sends the host's
+replies to that call as one message (``gathered``: ``[src, gk, ...]`` per reply; see
+:mod:`monarch_nb.runtime.reply_gather`). A proc numbers its gathered replies (``gk``, from 1),
+and every later message it sends the controller straight says how many it had gathered by then
+(``after``): the controller holds such a message until those replies came (:meth:`Channel._held_back`),
+so what the agent holds is never overtaken by what the proc sent after it (an ``actor_failed``
+must not pass the reply before it). Gathered replies may pass each other (they answer different
+calls). A message held longer than :data:`GATHER_WAIT_MAX_S` is delivered anyway (logged).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ import collections
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import select
 import threading
@@ -60,7 +72,7 @@ import zmq
 
 from . import shm
 from .keys import Trust
-from .wire import MAGIC, BadMessage, Header, ReplayGuard, Signer, decode, encode, route_id
+from .wire import INLINE_BODY_MAX, MAGIC, BadMessage, Header, ReplayGuard, Signer, decode, encode, route_id
 
 __all__ = ["Channel", "route_id"]
 
@@ -137,16 +149,39 @@ FAN_MIN_PROCS = 8
 FAN_MIN_HOSTS = 2
 #: Numbered messages a proc keeps while it waits for an earlier one (one that came by the slower path).
 _MAX_HELD = 100_000
+#: Seconds the controller holds a proc's message behind gathered replies that have not come (a
+#: host agent that lost them: a bug, or a host going away) before it delivers it anyway, logged.
+GATHER_WAIT_MAX_S = 5.0
+_GATHER_FRAME = b"%"  # a proc's first frame on its link: "%N" (a gathered reply, N of the call's on this host), then
+_STRAIGHT_MARK = b"~"  # the signed reply, or "~CID": one of those N went straight (a tensor, a large body)
 
 
 class _LinkedProc:
-    """A proc linked to its host agent, as the controller's channel knows it (under the channel's
-    lock): its route, its agent's routing frame, its incarnation, the last number sent to it."""
+    """A proc linked to its host agent, as the controller's channel knows it: its route, its
+    agent's routing frame, its incarnation, the last number sent to it (under the channel's lock);
+    on the receiving thread: its gathered replies received (all up to ``gathered_upto``, and
+    those after a gap), and its messages held until those before them came (``waiting``)."""
 
-    __slots__ = ("route", "agent", "incarnation", "sent")
+    __slots__ = ("route", "agent", "incarnation", "sent", "gathered_upto", "gathered_early", "waiting")
 
     def __init__(self, route: str, agent: bytes, incarnation: int) -> None:
         self.route, self.agent, self.incarnation, self.sent = route, agent, incarnation, 0
+        self.gathered_upto = 0
+        self.gathered_early: set[int] = set()
+        self.waiting: list[tuple[float, Header, memoryview, list[memoryview], list[Any], bytes | None]] = []
+
+    def took_gathered(self, number: int) -> bool:
+        """Note gathered reply ``number`` as received; False if it was already (a duplicate)."""
+        if number <= self.gathered_upto or number in self.gathered_early:
+            return False
+        if number != self.gathered_upto + 1:
+            self.gathered_early.add(number)
+            return True
+        self.gathered_upto = number
+        while self.gathered_upto + 1 in self.gathered_early:
+            self.gathered_early.discard(self.gathered_upto + 1)
+            self.gathered_upto += 1
+        return True
 
     def number(self) -> int:
         """The next message's number (call under the channel's lock, as it is sent)."""
@@ -230,6 +265,10 @@ class Channel:
         self._incarnation = int(incarnation) if incarnation.isdigit() else -1
         self._next_pseq = 1
         self._held: dict[int, tuple[Header, memoryview, list[memoryview], list[Any]]] = {}
+        # DEALER of a linked proc: replies gathered through its agent so far (gk), and to whom
+        self._gathered_sent = 0
+        self._gather_dst: str | None = None
+        self._waiting: set[_LinkedProc] = set()  # ROUTER: linked procs with messages held behind gathered replies
         #: DEALER: ``on_routed(routes, frames)`` for a message the hub routed through this endpoint
         #: (a host agent: forward ``frames`` unread to the procs ``routes``); None: such frames are dropped
         self.on_routed: Callable[[list[bytes], list[Any]], None] | None = None
@@ -299,6 +338,11 @@ class Channel:
         due = now + interval_s if phase_s is None else now + (phase_s - time.time()) % interval_s
         self._timers.append([due, interval_s, fn, phase_s])
 
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once, on the thread that leads, ``delay_s`` seconds from now. Call it on
+        the leading thread (from a handler, a reader or a timer) or before :meth:`start`."""
+        self._timers.append([time.monotonic() + delay_s, None, fn, None])
+
     def start(self, name: str = "monarch_nb-io") -> None:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -308,10 +352,21 @@ class Channel:
         self._run()
 
     # -- sending --------------------------------------------------------------------------------
-    def send(self, dst: str, header: Header, body: bytes = b"", buffers: Sequence[Any] = ()) -> None:
-        """Number, sign and send one message to ``dst``. Thread-safe; never blocks on the network."""
+    def send(self, dst: str, header: Header, body: bytes = b"", buffers: Sequence[Any] = (), *, gather: int = 0) -> None:
+        """Number, sign and send one message to ``dst``. Thread-safe; never blocks on the network.
+
+        ``gather``: the message is one of ``gather`` replies of this host's procs to one call (a
+        cast's, ``header["cid"]``) that their host agent may send ``dst`` as one message; it goes
+        to the agent when this proc is linked and it has no buffers and a small body, else
+        straight, the agent told so (see the module docstring). 0: straight.
+        """
         header["src"] = self.identity
         header["dst"] = dst
+        if gather and self._links:
+            if not buffers and len(body) <= INLINE_BODY_MAX:
+                self._send_gathered(dst, header, body, gather)
+                return
+            self._to_link([b"%s%d" % (_GATHER_FRAME, gather), _STRAIGHT_MARK + header["cid"].encode()])  # type: ignore[typeddict-item]  # a reply's
         if self.shm_run_id and buffers:
             buffers = self._export_large(header, buffers, self.shm_run_id)
         linked = self._via.get(route_id(dst)) if self._via else None
@@ -320,11 +375,46 @@ class Channel:
             header["seq"] = self._seq
             if linked is not None:
                 header["pseq"] = [linked.incarnation, linked.number()]
+            if self._gathered_sent and dst == self._gather_dst:  # held at the controller until those came
+                header["after"] = self._gathered_sent
             frames = encode(self._signer, header, body, buffers)
             # a ROUTER's first frame routes; a DEALER's names the destination, so that the hub can
             # forward the message to another peer without reading it (the receiver verifies it)
             frames.insert(0, self._route_frame(dst))
             self._send_locked(frames)
+
+    def _send_gathered(self, dst: str, header: Header, body: bytes, gather: int) -> None:
+        """Send a reply to the host agent for gathering (numbered ``gk``; DEALER of a linked proc)."""
+        with self._lock:
+            self._seq += 1
+            header["seq"] = self._seq
+            self._gathered_sent += 1
+            header["gk"] = self._gathered_sent
+            self._gather_dst = dst
+            frames = encode(self._signer, header, body)
+            self._to_link_locked([b"%s%d" % (_GATHER_FRAME, gather), *frames])
+
+    def _to_link(self, frames: list[Any]) -> None:
+        with self._lock:
+            self._to_link_locked(frames)
+
+    def _to_link_locked(self, frames: list[Any]) -> None:
+        if self.muted_until and time.monotonic() < self.muted_until:  # a partition fault cuts this path too
+            self.dropped["partitioned"] += 1
+            return
+        if self._closed.is_set():
+            return
+        link = self._links[0]
+        try:
+            link.send_multipart(frames)
+            pending_input = int(link.getsockopt(_EVENTS)) & _POLLIN
+        except zmq.ZMQError as exc:
+            log.warning("send to the host agent's link failed: %s", exc)
+            return
+        if pending_input:  # the send may have taken the link's edge (see add_link): the loop reads it
+            self._link_backlog.add(link)
+            if threading.get_ident() != self._leader:
+                self._wake()
 
     def send_many(self, items: Sequence[tuple[str, dict[str, Any]]], header: Header, body: bytes = b"",
                   buffers: Sequence[Any] = ()) -> None:
@@ -362,6 +452,7 @@ class Channel:
         and its host's other procs go through the agent, and every message for it is numbered
         (ROUTER). Call it before the first message to that incarnation (at its hello)."""
         route = route_id(dst)
+        self._forget_waiting(self._via.get(route))
         self._via[route] = _LinkedProc(route, route_id(agent).encode(), incarnation)
 
     def routed_via(self, dst: str) -> str | None:
@@ -376,7 +467,15 @@ class Channel:
 
     def route_direct(self, dst: str) -> None:
         """``dst``'s new incarnation is not linked: every message straight to it, unnumbered."""
-        self._via.pop(route_id(dst), None)
+        self._forget_waiting(self._via.pop(route_id(dst), None))
+
+    def _forget_waiting(self, linked: _LinkedProc | None) -> None:
+        """An incarnation is replaced (it is gone): drop what it sent that waited for replies its
+        agent never passed on (counted)."""
+        if linked is not None and linked.waiting:
+            self.dropped["gathered never came"] += len(linked.waiting)
+            linked.waiting.clear()
+            self._waiting.discard(linked)
 
     def add_link(self, sock: "zmq.Socket[Any]") -> None:
         """Receive from ``sock`` (a connected DEALER: the host agent's link) as from the channel's
@@ -642,6 +741,8 @@ class Channel:
                 return
             header.update(fields)  # type: ignore[typeddict-item]  # a kind's own fields (rank, idx, mi, pseq)
             header["dst"] = own  # as a message of its own to us would say
+            if len(fan) > 1 and self._links:
+                header["_fanned"] = len(fan)  # type: ignore[typeddict-unknown-key]  # its reply may be gathered (see send)
         pseq = header.pop("pseq", None)
         if pseq is not None:
             if not (isinstance(pseq, list) and len(pseq) == 2 and all(type(v) is int for v in pseq)):
@@ -655,6 +756,72 @@ class Channel:
 
     def _accept(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any],
                 sender: bytes | None = None) -> None:
+        # replies gathered by host agents, and a linked proc's messages that must wait for them
+        if self._via and "after" in header and self._held_back(header, body, buffers, frames, sender):
+            return
+        if "gathered" in header:
+            released = self._take_gathered(header)
+            self._accept_now(header, body, buffers, frames, sender)
+            for held in released:
+                self._accept_now(*held)
+            return
+        self._accept_now(header, body, buffers, frames, sender)
+
+    def _held_back(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any],
+                   sender: bytes | None) -> bool:
+        """Hold a linked proc's message until the gathered replies it sent before it came (True: held)."""
+        route, _, incarnation = header["src"].partition("#")
+        linked = self._via.get(route)
+        after = header["after"]
+        if linked is None or str(linked.incarnation) != incarnation or type(after) is not int or after <= linked.gathered_upto:
+            return False
+        linked.waiting.append((time.monotonic(), header, body, buffers, frames, sender))
+        self._waiting.add(linked)
+        return True
+
+    def _take_gathered(self, header: Header) -> list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]]:
+        """Check a host agent's gathered replies (each item ``[src, gk, ...]``: a proc linked to
+        that agent, its current incarnation, a number not seen); drop the others from the
+        header; note the numbers; return the messages held for them, now due, in their order."""
+        agent = route_id(header["src"]).encode()
+        kept, released = [], []
+        items = header["gathered"]
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, list) or len(item) < 2:
+                self.dropped["gathered"] += 1
+                continue
+            route, _, incarnation = str(item[0]).partition("#")
+            linked = self._via.get(route)
+            if (linked is None or linked.agent != agent or str(linked.incarnation) != incarnation or type(item[1]) is not int
+                    or not linked.took_gathered(item[1])):
+                self.dropped["gathered"] += 1
+                continue
+            kept.append(item)
+            if linked.waiting:
+                while linked.waiting and linked.waiting[0][1]["after"] <= linked.gathered_upto:
+                    released.append(linked.waiting.pop(0)[1:])
+                if not linked.waiting:
+                    self._waiting.discard(linked)
+        header["gathered"] = kept
+        return released
+
+    def _release_overdue(self) -> None:
+        """Deliver messages held longer than :data:`GATHER_WAIT_MAX_S` for gathered replies that did not come."""
+        if not self._waiting:
+            return
+        cutoff = time.monotonic() - GATHER_WAIT_MAX_S
+        for linked in list(self._waiting):
+            while linked.waiting and linked.waiting[0][0] < cutoff:
+                _, header, body, buffers, frames, sender = linked.waiting.pop(0)
+                log.warning("a message of %s waited %.0f s for replies gathered by its host agent that did not come; "
+                            "delivered now", header["src"], GATHER_WAIT_MAX_S)
+                self.dropped["gathered late"] += 1
+                self._accept_now(header, body, buffers, frames, sender)
+            if not linked.waiting:
+                self._waiting.discard(linked)
+
+    def _accept_now(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any],
+                    sender: bytes | None = None) -> None:
         if not self._guard.accept(header):
             self.dropped["replayed"] += 1
             log.warning("dropped a replayed or out-of-order message from %r", header.get("src"))
@@ -719,15 +886,23 @@ class Channel:
         return max(0, int((due - time.monotonic()) * 1000) + 1)
 
     def _run_timers(self) -> None:
+        if self._waiting:
+            self._release_overdue()
         now = time.monotonic()
-        for timer in self._timers:
+        ran_once = False
+        for timer in tuple(self._timers):  # a timer may add one (call_later)
             if now >= timer[0]:
                 _, interval, fn, phase = timer
-                wait = interval if phase is None else (phase - time.time()) % interval
-                if wait < interval / 2:  # a phased timer that ran late (or early): its next slot
-                    wait += interval
-                timer[0] = now + wait
+                if interval is None:  # call_later's: once
+                    timer[0], ran_once = math.inf, True
+                else:
+                    wait = interval if phase is None else (phase - time.time()) % interval
+                    if wait < interval / 2:  # a phased timer that ran late (or early): its next slot
+                        wait += interval
+                    timer[0] = now + wait
                 self._guarded(fn)
+        if ran_once:
+            self._timers = [timer for timer in self._timers if timer[0] != math.inf]
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self, join_timeout_s: float = 2.0) -> None:

@@ -63,6 +63,9 @@ class Header(_KindField, total=False):
     shm: list[list[Any]]  # [buffer index, shared-memory name, bytes] of buffers sent through /dev/shm
     fan: dict[str, dict[str, Any]]  # one message for several procs of a host: route -> that proc's own fields
     pseq: list[int]  # [incarnation, n]: the n-th message the controller's socket sent this incarnation of a linked proc
+    gk: int  # a linked proc's reply sent through its host agent for gathering: its n-th such
+    after: int  # a linked proc's message to the controller: the replies it had sent for gathering (gk) before it
+    gathered: list[list[Any]]  # a host agent's gathered replies: [src, gk, ...the kind's fields] each
 
 
 def _encode_header(header: Header) -> bytes:

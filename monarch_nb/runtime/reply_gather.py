@@ -1,0 +1,158 @@
+"""A host agent gathers its procs' replies to a cast: one message to the controller per host, not per proc.
+
+A call to all reaches a host's procs in one message through their agent (:mod:`.proc_link`);
+without this, each of them answers the controller on its own, so a call to all of 8,192 actors
+brings the controller 8,192 messages to receive, verify and dispatch, a cost that grows with
+procs. A linked proc sends its reply to such a call (one marked ``gth`` that came in a ``fan``
+of N procs of its host) to its agent instead, signed as ever (:meth:`Channel.send
+<monarch_nb.transport.channel.Channel.send>` with ``gather=N``). The agent (:class:`ReplyGather`)
+verifies each (HMAC, replay guard, a proc speaks only for itself), keeps the call's replies until
+all N came or :data:`GATHER_LINGER_S` passed since the first one, and sends them to the
+controller as one ``replies`` message (:class:`~.protocol.RepliesHeader`, signed by the agent),
+whose channel checks that each is from a proc linked to that agent before the messenger takes
+them (:meth:`Messenger.on_replies <monarch_nb.runtime.messenger.Messenger.on_replies>`).
+
+A reply that cannot come this way (a tensor, a body of more than 64 KiB) goes straight, and the
+proc tells its agent, which then waits for one fewer. A proc that exits has its held replies sent
+before the agent reports the exit (:meth:`ReplyGather.flush_all`), so a call sees the answer a
+proc gave before it died. The order against the proc's other messages is kept by the
+controller's channel (``gk`` / ``after``: see :mod:`monarch_nb.transport.channel`).
+
+Monarch's host-level actors gather replies for a cast the same way (accumulators that reduce a
+mesh's replies on the way up); here the agent only bundles them, the values stay per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from ..transport.wire import BadMessage, Header, ReplayGuard, Signer, decode, route_id
+from .protocol import CONTROLLER, Kind, RepliesHeader
+
+__all__ = ["ReplyGather", "GATHER_LINGER_S"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds an agent holds a call's replies for the rest of its host's (the first one's age), when
+#: they do not all come (one rank slower than the others, one that hangs): then it sends what it
+#: has and the rest as they come. A call's future completes only with its last reply, so holding
+#: the others costs it nothing; what is held up is the proc's later messages to the controller
+#: (its channel holds them behind the gathered replies), for at most this long.
+GATHER_LINGER_S = 0.01
+#: Seconds after which a call's entry whose replies were all sent but not all seen is forgotten
+#: (a rank that died before it answered, a reply lost with its proc).
+_FORGET_S = 60.0
+
+
+class _Gather:
+    """One call's replies at this agent: how many of this host's procs it went to, how many
+    answered (gathered or straight), and the replies held (items and bodies, in arrival order)."""
+
+    __slots__ = ("expected", "seen", "items", "bodies", "first_at", "touched_at")
+
+    def __init__(self, expected: int, now: float) -> None:
+        self.expected, self.seen = expected, 0
+        self.items: list[list[Any]] = []
+        self.bodies: list[bytes] = []
+        self.first_at, self.touched_at = 0.0, now
+
+
+class ReplyGather:
+    """The agent's gathering of its procs' replies (on the agent's loop thread only).
+
+    Args:
+        signer: the cluster's signer (verifies the procs' replies).
+        send: ``send(header, body)``: sign and send one message to the controller (the agent's channel).
+        call_later: ``call_later(delay_s, fn)`` on the agent's loop (``Channel.call_later``).
+        linger_s: see :data:`GATHER_LINGER_S`.
+
+    Attributes:
+        sent: ``replies`` messages sent; ``gathered``: replies in them; ``dropped``: replies that
+            failed verification (bad signature, replayed, a proc speaking for another).
+    """
+
+    def __init__(self, signer: Signer, send: Callable[[Header, bytes], None], call_later: Callable[[float, Callable[[], None]], None],
+                 linger_s: float = GATHER_LINGER_S) -> None:
+        self._signer, self._send, self._call_later, self.linger_s = signer, send, call_later, linger_s
+        self._guard = ReplayGuard()
+        self._gathers: dict[str, _Gather] = {}
+        self.sent = self.gathered = self.dropped = 0
+
+    def on_link_message(self, route: bytes, frames: list[Any]) -> None:
+        """A proc's message on the link whose first frame is ``%N``: its signed reply to a call
+        that reached N procs of this host (frames after it), or ``~CID``: its reply to call CID
+        went straight."""
+        try:
+            expected = int(bytes(frames[0])[1:])
+        except ValueError:
+            self.dropped += 1
+            return
+        now = time.monotonic()
+        if len(frames) == 2 and bytes(frames[1])[:1] == b"~":
+            cid = bytes(frames[1])[1:].decode(errors="replace")
+            gather = self._entry(cid, expected, now)
+        else:
+            reply = self._verified(route, frames[1:])
+            if reply is None:
+                self.dropped += 1
+                return
+            header, body = reply
+            cid = header["cid"]  # type: ignore[typeddict-item]  # a reply's (checked in _verified)
+            gather = self._entry(cid, expected, now)
+            if not gather.items:
+                gather.first_at = now
+                self._call_later(self.linger_s, lambda: self._linger(cid, gather))
+            gather.items.append([header["src"], header["gk"], header["idx"], header["ok"], len(body)])  # type: ignore[typeddict-item]
+            gather.bodies.append(body)
+        gather.seen += 1
+        gather.touched_at = now
+        if gather.seen >= gather.expected:
+            self._flush(cid, gather)
+            del self._gathers[cid]
+
+    def flush_all(self) -> None:
+        """Send every reply held now (a proc exited: what it answered goes out before its exit report)."""
+        for cid, gather in list(self._gathers.items()):
+            self._flush(cid, gather)
+        self._gathers.clear()
+
+    def _entry(self, cid: str, expected: int, now: float) -> _Gather:
+        gather = self._gathers.get(cid)
+        if gather is None:
+            gather = self._gathers[cid] = _Gather(max(1, expected), now)
+        return gather
+
+    def _verified(self, route: bytes, frames: list[Any]) -> tuple[Header, bytes] | None:
+        """The header and body of a proc's gathered reply, or None (logged) if it is not one: a
+        bad signature, a replay, another proc's, not a reply to the controller, not numbered."""
+        try:
+            header, body, buffers = decode(self._signer, frames)
+        except BadMessage as exc:
+            log.warning("dropped a reply on the procs' link: %s", exc)
+            return None
+        src = header["src"]
+        if (header["kind"] != Kind.REPLY or route_id(src) != route.decode(errors="replace") or header["dst"] != CONTROLLER
+                or buffers or type(header.get("gk")) is not int or not isinstance(header.get("cid"), str)
+                or not self._guard.accept(header)):
+            log.warning("dropped a message from %s on the procs' link: not its own numbered reply to the controller", src)
+            return None
+        return header, bytes(body)
+
+    def _linger(self, cid: str, gather: _Gather) -> None:
+        """The call's first held reply is ``linger_s`` old: send what is held; forget stale entries."""
+        if self._gathers.get(cid) is gather and gather.items:
+            self._flush(cid, gather)
+        cutoff = time.monotonic() - _FORGET_S
+        for key in [key for key, g in self._gathers.items() if not g.items and g.touched_at < cutoff]:
+            del self._gathers[key]
+
+    def _flush(self, cid: str, gather: _Gather) -> None:
+        if not gather.items:
+            return
+        header: RepliesHeader = {"kind": Kind.REPLIES, "cid": cid, "gathered": gather.items}
+        self._send(header, b"".join(gather.bodies))
+        self.sent += 1
+        self.gathered += len(gather.items)
+        gather.items, gather.bodies = [], []

@@ -1,0 +1,162 @@
+"""Replies gathered per host (monarch_nb.runtime.reply_gather) and their order against a proc's
+other messages (monarch_nb.transport.channel): real ZeroMQ sockets (a controller's ROUTER, an
+agent's DEALER and link, procs' DEALERs and links) in one process, no worker processes; and the
+gatherer alone, driven by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from monarch_nb.runtime import reply_gather
+from monarch_nb.runtime.proc_link import AgentLink, link_to_agent
+from monarch_nb.runtime.protocol import CONTROLLER, Kind
+from monarch_nb.runtime.reply_gather import ReplyGather
+from monarch_nb.transport import channel as channel_module
+from monarch_nb.transport.channel import Channel
+from monarch_nb.transport.wire import Signer, encode
+
+from .test_agent_link import KEY, Inbox, wait_for
+
+
+def reply(cid: str, idx: int, ok: bool = True) -> dict[str, Any]:
+    return {"kind": Kind.REPLY, "cid": cid, "idx": idx, "ok": ok}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A controller, one host agent gathering its procs' replies, procs pm0.0 and pm0.1 linked
+    to it and pm0.2 not linked; each has said hello. The agent's linger is long (30 s): a test
+    that wants it short sets ``gather.linger_s``."""
+    signer = Signer(KEY)
+    inbox: dict[str, Inbox] = {name: Inbox() for name in (CONTROLLER, "host0", "pm0.0", "pm0.1", "pm0.2")}
+    controller = Channel(CONTROLLER, signer, inbox[CONTROLLER], router=True)
+    address = controller.bind(f"ipc://{tmp_path}/ctl")
+    controller.start()
+    agent = Channel("host0#1", signer, inbox["host0"])
+    link = AgentLink(str(tmp_path))
+    gather = ReplyGather(signer, lambda header, body: agent.send(CONTROLLER, header, body), agent.call_later, linger_s=30.0)
+    link.on_gathered = gather.on_link_message
+    agent.add_reader(link.fd, link.on_readable)
+    agent.connect(address)
+    agent.start()
+    procs: dict[str, Channel] = {}
+    channels = [controller, agent]
+    try:
+        agent.send(CONTROLLER, {"kind": "agent_hello"})
+        for rank in range(3):
+            name = f"pm0.{rank}"
+            proc = procs[name] = Channel(f"{name}#{100 + rank}", signer, inbox[name])
+            channels.append(proc)
+            if rank < 2:
+                sock = link_to_agent(link.address, name, timeout_s=5)
+                assert sock is not None, "the agent answered the link"
+                proc.add_link(sock)
+            proc.connect(address)
+            proc.start()
+            proc.send(CONTROLLER, {"kind": "hello"})
+        wait_for(lambda: len(inbox[CONTROLLER].items) == 4)
+        controller.route_via("pm0.0", "host0", 100)
+        controller.route_via("pm0.1", "host0", 101)
+        yield controller, gather, procs, inbox[CONTROLLER]
+    finally:
+        for channel in channels:
+            channel.close()
+        link.close()
+
+
+def test_the_replies_of_a_hosts_procs_to_a_call_reach_the_controller_as_one_message(cluster):
+    controller, gather, procs, inbox = cluster
+    procs["pm0.0"].send(CONTROLLER, reply("c1", 0), b"zero", gather=2)
+    procs["pm0.1"].send(CONTROLLER, reply("c1", 1), b"one!", gather=2)
+    procs["pm0.2"].send(CONTROLLER, reply("c1", 2), b"two", gather=2)  # not linked: straight
+    wait_for(lambda: inbox.of_kind("replies") and inbox.of_kind("reply"))
+    [gathered] = inbox.of_kind("replies")
+    assert gathered["cid"] == "c1" and gathered["src"] == "host0#1"
+    assert gathered["gathered"] == [["pm0.0#100", 1, 0, True, 4], ["pm0.1#101", 1, 1, True, 4]]
+    assert gathered["body"] == b"zeroone!"
+    assert [h["src"] for h in inbox.of_kind("reply")] == ["pm0.2#102"]
+    assert (gather.sent, gather.gathered, gather.dropped) == (1, 2, 0)
+
+
+def test_a_message_sent_after_a_gathered_reply_waits_at_the_controller_until_it_came(cluster):
+    """The agent holds pm0.0's reply (pm0.1's is not in yet); what pm0.0 sends the controller
+    straight after it (here an actor failure) must not overtake it, and does not."""
+    controller, gather, procs, inbox = cluster
+    procs["pm0.0"].send(CONTROLLER, reply("c1", 0), b"ok", gather=2)
+    procs["pm0.0"].send(CONTROLLER, {"kind": "actor_failed", "actor": "a", "rank": 0})
+    procs["pm0.1"].send(CONTROLLER, {"kind": "actor_error", "actor": "a"})  # pm0.1 gathered nothing: not held
+    wait_for(lambda: inbox.of_kind("actor_error") and controller._waiting)
+    assert not inbox.of_kind("actor_failed") and not inbox.of_kind("replies")
+    procs["pm0.1"].send(CONTROLLER, reply("c1", 1), b"ok", gather=2)  # the agent's gathering is complete
+    wait_for(lambda: inbox.of_kind("actor_failed"))
+    kinds = [h["kind"] for h in inbox.items if h["src"].startswith("pm0.0") or h["kind"] == "replies"]
+    assert kinds[-2:] == ["replies", "actor_failed"], kinds
+    assert inbox.of_kind("actor_failed")[0]["after"] == 1
+    assert not controller._waiting and not controller.dropped
+
+
+def test_a_reply_that_cannot_be_gathered_goes_straight_and_the_agent_waits_for_one_fewer(cluster):
+    controller, gather, procs, inbox = cluster
+    procs["pm0.0"].send(CONTROLLER, reply("c1", 0), b"a tensor's pickle", [b"its memory"], gather=2)  # a buffer: straight
+    procs["pm0.1"].send(CONTROLLER, reply("c1", 1), b"small", gather=2)
+    wait_for(lambda: inbox.of_kind("replies") and inbox.of_kind("reply"))  # at once, not after the 30 s linger
+    assert [item[0] for item in inbox.of_kind("replies")[0]["gathered"]] == ["pm0.1#101"]
+    assert inbox.of_kind("reply")[0]["src"] == "pm0.0#100"
+
+
+def test_a_call_whose_last_reply_does_not_come_has_the_others_sent_after_the_linger(cluster):
+    controller, gather, procs, inbox = cluster
+    gather.linger_s = 0.05
+    procs["pm0.0"].send(CONTROLLER, reply("c1", 0), b"ok", gather=2)
+    wait_for(lambda: inbox.of_kind("replies"), timeout_s=5)
+    assert [item[0] for item in inbox.of_kind("replies")[0]["gathered"]] == ["pm0.0#100"]
+    procs["pm0.1"].send(CONTROLLER, reply("c1", 1), b"late", gather=2)  # the rest as it comes
+    wait_for(lambda: len(inbox.of_kind("replies")) == 2, timeout_s=5)
+    assert inbox.of_kind("replies")[1]["body"] == b"late"
+
+
+def test_a_reply_for_another_proc_is_dropped_by_the_agent_and_one_for_a_proc_of_another_agent_by_the_controller(cluster, tmp_path):
+    controller, gather, procs, inbox = cluster
+    signer = Signer(KEY)
+    # pm0.0's link carries a reply signed as pm0.1's: a proc speaks only for itself
+    forged = encode(signer, {**reply("c1", 1), "src": "pm0.1#101", "dst": CONTROLLER, "seq": 10**6, "gk": 1})
+    procs["pm0.0"]._to_link([b"%2", *forged])
+    wait_for(lambda: gather.dropped == 1)
+    # an agent that names a proc linked to another agent (pm0.2 is linked to none)
+    rogue = Channel("host9#9", signer, Inbox())
+    rogue.connect(f"ipc://{tmp_path}/ctl")
+    rogue.start()
+    try:
+        rogue.send(CONTROLLER, {"kind": "replies", "cid": "c1", "gathered": [["pm0.2#102", 1, 2, True, 1], ["pm0.0#100", 1, 0, True, 1]]}, b"xy")
+        wait_for(lambda: inbox.of_kind("replies"))
+    finally:
+        rogue.close()
+    assert inbox.of_kind("replies")[0]["gathered"] == [], "neither pm0.2 (linked to no agent) nor pm0.0 (host0's) is host9's"
+    assert controller.dropped["gathered"] == 2
+
+
+def test_a_message_held_for_gathered_replies_that_never_come_is_delivered_after_a_while(cluster, monkeypatch):
+    controller, gather, procs, inbox = cluster
+    monkeypatch.setattr(channel_module, "GATHER_WAIT_MAX_S", 0.2)
+    procs["pm0.0"].send(CONTROLLER, reply("c1", 0), b"ok", gather=2)  # held at the agent (30 s linger, pm0.1 never answers)
+    procs["pm0.0"].send(CONTROLLER, {"kind": "actor_failed", "actor": "a", "rank": 0})
+    wait_for(lambda: inbox.of_kind("actor_failed"), timeout_s=5)
+    assert controller.dropped["gathered late"] == 1 and not inbox.of_kind("replies")
+
+
+def test_a_proc_that_exits_has_its_held_replies_sent_by_flush_all():
+    """The gatherer alone: the agent calls flush_all before it reports a proc's exit."""
+    signer, sent, timers = Signer(KEY), [], []
+    gather = ReplyGather(signer, lambda header, body: sent.append((header, body)), lambda delay, fn: timers.append(fn))
+    frames = encode(signer, {**reply("c1", 0), "src": "pm0.0#100", "dst": CONTROLLER, "seq": 1, "gk": 1}, b"ok")
+    gather.on_link_message(b"pm0.0", [b"%3", *frames])
+    assert not sent and len(timers) == 1, "held, its linger set"
+    gather.flush_all()
+    assert [(h["cid"], h["gathered"], body) for h, body in sent] == [("c1", [["pm0.0#100", 1, 0, True, 2]], b"ok")]
+    timers[0]()  # the linger after the flush: nothing more to send
+    assert len(sent) == 1
+    gather.on_link_message(b"pm0.0", [b"%3", *frames])  # the same reply again
+    assert gather.dropped == 1 and len(sent) == 1, "a replay is dropped"
+    assert reply_gather.GATHER_LINGER_S <= 0.05, "a proc's later messages wait at most this long behind its held reply"
