@@ -1,7 +1,7 @@
 """The control plane's cost as procs grow: real procs on this machine, the controller measured.
 
     python bench/scale.py [--procs 4,16,64,128] [--calls 50] [--idle-s 10] [--quick] [--heartbeats both]
-        [--simulated 1,8,64,1024] [--paths direct,agents,tree]
+        [--simulated 1,8,64,1024] [--per-host 8] [--paths direct,agents,tree]
 
 Both liveness paths in one run, each in its own controller process: ``agents`` (today's
 default: procs heartbeat to their host agent, which sums them up in one message per interval,
@@ -399,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="liveness path(s) to measure, each in its own controller (default both)")
     p.add_argument("--simulated", default="1,8,64,1024",
                    help="simulated host counts, 8 procs each (default 1,8,64,1024; '' for none)")
+    p.add_argument("--per-host", default="8",
+                   help="procs per simulated host, comma-separated (default 8); with two or more, the controller's CPU "
+                        "per call to all and per cast is fitted to hosts and procs (sizes over 8,192 procs are skipped)")
     p.add_argument("--paths", default="direct,agents,tree",
                    help="simulated paths, comma-separated: direct (every proc to the controller), agents (one "
                         "message per host), tree (agents' heartbeats through relays; from relay_min_hosts hosts)")
@@ -419,13 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.paths.split(",")) - set(paths)
     if unknown:
         p.error(f"unknown --paths {', '.join(sorted(unknown))}: choose from {', '.join(paths)}")
-    simulated = [measure_simulated(int(h), 8, args.idle_s, via_agents=via, relays=tree) for h in args.simulated.split(",") if h
+    simulated = [measure_simulated(int(h), int(g), args.idle_s, via_agents=via, relays=tree)
+                 for g in args.per_host.split(",") for h in args.simulated.split(",") if h and int(h) * int(g) <= MAX_SIMULATED_PROCS
                  for path, (via, tree) in paths.items() if path in args.paths.split(",")
                  and (not tree or int(h) >= config.relay_min_hosts)]
     if simulated:
         Controller.get().shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows, "simulated": simulated}
+    fits = fit_by_hosts_and_procs(simulated)
+    out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows, "simulated": simulated, "fits": fits}
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
     print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
           f"{'agent CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
@@ -434,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['call_all_p50_ms']:>16.2f} "
               f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
-        print(f"\nsimulated hosts (8 procs each; heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
+        print(f"\nsimulated hosts (heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
               f"{'ctrl CPU idle %':>16} "
               f"{'ctrl msgs/s':>12} {'us/agent hb':>12} {'wrongly hung':>13} {'others lost':>12} {'host lost s':>12} "
               f"{'exit seen ms':>13} {'lost host handled ms (CPU)':>27}")
@@ -460,8 +465,44 @@ def main(argv: list[str] | None = None) -> int:
             for r in tree_rows:
                 print(f"{r['hosts']:>6} {r['relays']:>6} {r['hosts_straight']:>8} {r['tree_formed_s']:>14.2f} {r['relay_members']:>8} "
                       f"{r['relay_members_straight_s']:>19.2f} {r['relay_lost_s']:>13.2f} {r['relay_members_wrongly_lost']:>21}")
+    if fits:
+        print("\ncontroller CPU fitted to a + b x hosts + c x procs (least squares over the simulated sizes above)")
+        print(f"{'messages':>12} {'of':>9} {'a ms':>8} {'b us/host':>10} {'c us/proc':>10} {'at 1,024 x 8: hosts':>20} {'procs':>7} "
+              f"{'max resid %':>12}")
+        for f in fits:
+            print(f"{f['messages']:>12} {f['of']:>9} {f['fixed_ms']:>8.2f} {f['per_host_us']:>10.1f} {f['per_proc_us']:>10.2f} "
+                  f"{f['hosts_share_at_1024x8_ms']:>17.1f} ms {f['procs_share_at_1024x8_ms']:>4.1f} ms {f['max_residual_pct']:>12.1f}")
     print(f"JSON: {RESULTS / 'scale.json'}")
     return 0
+
+
+#: The most simulated procs a size may have (the simulator keeps a connection per proc).
+MAX_SIMULATED_PROCS = 8192
+
+
+def fit_by_hosts_and_procs(simulated: list[dict]) -> list[dict]:
+    """The controller's CPU per call to all and per cast, fitted (least squares) to ``a + b *
+    hosts + c * procs`` over the simulated sizes of each path: whether the work grows with hosts
+    (``b``) or with procs (``c``). Needs three sizes of at least two procs-per-host values, else
+    nothing. Returns one row per path and operation: the coefficients (ms, µs a host, µs a proc),
+    each term's share at 1,024 hosts x 8, and the largest residual (% of the measured value)."""
+    import numpy as np
+
+    fits = []
+    for messages in sorted({r["messages"] + ("+tree" if r["relay_tree"] else "") for r in simulated}):
+        rows = [r for r in simulated if r["messages"] + ("+tree" if r["relay_tree"] else "") == messages]
+        if len(rows) < 3 or len({r["procs"] // r["hosts"] for r in rows}) < 2:
+            continue
+        design = np.array([[1.0, r["hosts"], r["procs"]] for r in rows])
+        for of, key in (("call all", "controller_cpu_per_call_all_ms"), ("cast", "controller_cpu_per_cast_ms")):
+            measured = np.array([r[key] for r in rows])
+            (fixed, per_host, per_proc), *_ = np.linalg.lstsq(design, measured, rcond=None)
+            residual = np.abs(design @ np.array([fixed, per_host, per_proc]) - measured) / np.maximum(measured, 1e-9)
+            fits.append({"messages": messages, "of": of, "sizes": [[r["hosts"], r["procs"]] for r in rows],
+                         "fixed_ms": float(fixed), "per_host_us": 1e3 * float(per_host), "per_proc_us": 1e3 * float(per_proc),
+                         "hosts_share_at_1024x8_ms": 1024 * float(per_host), "procs_share_at_1024x8_ms": 8192 * float(per_proc),
+                         "max_residual_pct": 100 * float(residual.max())})
+    return fits
 
 
 if __name__ == "__main__":

@@ -122,13 +122,13 @@ class Messenger:
         if port is not None:
             header["port"] = [port.owner, port.port_id]
             self._deliver_many([(target.proc, {"rank": target.rank, "mi": message_extent[1][index] if message_extent is not None else index})
-                                for index, target in enumerate(targets) if route_id(target.proc) not in self._failed],
+                                for index, target in enumerate(targets) if not self._failed or route_id(target.proc) not in self._failed],
                                header, body, buffers)
             return None
         if not want_reply:
             self._deliver_many([(target.proc, {"rank": target.rank} if message_extent is None else
                                  {"rank": target.rank, "mi": message_extent[1][index]})
-                                for index, target in enumerate(targets) if route_id(target.proc) not in self._failed],
+                                for index, target in enumerate(targets) if not self._failed or route_id(target.proc) not in self._failed],
                                header, body, buffers)
             return None
         return self._call(targets, header, body, buffers, extent, stream, message_extent, display=display)
@@ -156,7 +156,7 @@ class Messenger:
             header.update(extra)
         if not want_reply:
             self._deliver_many([(target.proc, {"rank": target.rank}) for target in targets
-                                if even_if_failed or route_id(target.proc) not in self._failed], header, body, buffers)
+                                if even_if_failed or not self._failed or route_id(target.proc) not in self._failed], header, body, buffers)
             return None
         future = self._call(targets, header, body, buffers, extent, False, None, even_if_failed)
         assert not isinstance(future, list)  # not a stream
@@ -196,7 +196,7 @@ class Messenger:
             self._pending[cid] = pending
         items: list[tuple[str, dict[str, Any]]] = []
         for index, target in enumerate(targets):
-            failure = None if even_if_failed else self._failed.get(route_id(target.proc))
+            failure = None if even_if_failed or not self._failed else self._failed.get(route_id(target.proc))
             if failure is not None:
                 self._complete(cid, index, error=self._proc_error(pending, target, failure))
                 continue

@@ -422,11 +422,15 @@ class Channel:
         fields)`` of ``items``, as :meth:`send` would one by one; the destinations reached
         through the same host agent get one message, signed once (``fan``: route -> fields),
         which the agent passes to each of them, when the message is for at least
-        :attr:`fan_min_procs` procs in all, on at least :attr:`fan_min_hosts` hosts. Thread-safe;
-        never blocks on the network."""
+        :attr:`fan_min_procs` procs in all, on at least :attr:`fan_min_hosts` hosts. Each
+        ``fields`` dict is the callee's to keep (a cast's entries are them). Thread-safe; never
+        blocks on the network."""
         groups: dict[bytes, list[tuple[_LinkedProc, dict[str, Any]]]] = {}
+        via = self._via
         for dst, fields in items:
-            linked = self._via.get(route_id(dst)) if self._via else None
+            linked = via.get(dst) if via else None
+            if linked is None and via and "#" in dst:
+                linked = via.get(route_id(dst))
             if linked is None:
                 self.send(dst, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]  # a kind's own fields
             else:
@@ -441,7 +445,10 @@ class Channel:
             with self._lock:
                 self._seq += 1
                 fan["seq"] = self._seq
-                fan["fan"] = {linked.route: {**fields, "pseq": [linked.incarnation, linked.number()]} for linked, fields in members}
+                entries = fan["fan"] = {}
+                for linked, fields in members:
+                    fields["pseq"] = [linked.incarnation, linked.number()]
+                    entries[linked.route] = fields
                 frames = encode(self._signer, fan, body, buffers)
                 self.sent_via_agents += 1
                 frames[:0] = [agent, b"@" + b",".join(linked.route.encode() for linked, _ in members)]
