@@ -543,17 +543,20 @@ class Controller:
                     self._host_heard(member, entry["stopped"], entry["heard"], entry["changed"])
             except (KeyError, TypeError, ValueError, AttributeError) as exc:  # one bad entry costs only itself
                 log.warning("dropped a malformed relayed heartbeat from %s: %r", name, exc)
-        for row in header.get("quiet", ()):  # ... and those with nothing new to say: all their procs heard
-            try:
-                quiet = QuietMember.from_wire(row)
-            except (TypeError, ValueError) as exc:
-                log.warning("dropped a malformed relayed heartbeat from %s: %r", name, exc)
-                continue
-            member = self.host_agents.on_heartbeat(route_id(quiet.src), quiet.load, via=name)
-            if member is not None:
-                if member.stopped:
-                    self._host_heard(member, (), (), {})
-                self.liveness.on_host_heard_all(member.name, quiet.procs)
+        quiet_rows = header.get("quiet")
+        if quiet_rows:  # ... and those with nothing new to say: all their procs heard (~2,000 a second at 1,024 idle hosts)
+            now, on_heartbeat, heard_all = time.monotonic(), self.host_agents.on_heartbeat, self.liveness.on_host_heard_all
+            for row in quiet_rows:
+                try:
+                    quiet = QuietMember.from_wire(row)
+                except (TypeError, ValueError) as exc:
+                    log.warning("dropped a malformed relayed heartbeat from %s: %r", name, exc)
+                    continue
+                member = on_heartbeat(route_id(quiet.src), quiet.load, via=name, now=now)
+                if member is not None:
+                    if member.stopped:
+                        self._host_heard(member, (), (), {})
+                    heard_all(member.name, quiet.procs, now)
 
     def _host_heard(self, host: HostRecord, stopped_procs: Iterable[str], heard: Iterable[str],
                     changed: Mapping[str, HeartbeatFields]) -> None:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["Hosts", "HostsController", "AttachError", "LOCAL"]
 
 log = logging.getLogger(__name__)
+_HEALTHY = ProcState.HEALTHY  # an Enum member read off its class costs 0.2 us (Python 3.11): per host per tick
 
 #: The local host agent's name.
 LOCAL = "host0"
@@ -368,13 +369,14 @@ class Hosts:
         if record is not None and record.state == ProcState.HEALTHY and not self.ctrl.closed:
             self._lose(record, str(header.get("why") or "its host agent exited"))
 
-    def on_heartbeat(self, name: str, load: float, via: str = "", left: str = "") -> HostRecord | None:
+    def on_heartbeat(self, name: str, load: float, via: str = "", left: str = "", now: float | None = None) -> HostRecord | None:
         """Host ``name``'s agent heartbeated: straight (``via`` "": it may say which relay it
-        ``left``), or in relay ``via``'s heartbeat. Its record, None for an unknown host."""
+        ``left``), or in relay ``via``'s heartbeat (received at ``now``, ``time.monotonic()``;
+        None: now). Its record, None for an unknown host."""
         record = self.records.get(name)
         if record is None:
             return None
-        record.last_heartbeat = time.monotonic()
+        record.last_heartbeat = time.monotonic() if now is None else now
         record.load = float(load)
         record.via_relay = via
         if left:
@@ -421,14 +423,15 @@ class Hosts:
         self._ticks += 1
         if self._ticks % RELAY_PLAN_EVERY == 0:
             self._plan_relays(now)
-        for turn, name in enumerate(list(self._links)):
-            record = self.records.get(name)
+        cutoff, records = now - config.hang_timeout_s, self.records
+        for turn, name in enumerate(list(self._links)):  # 1,024 hosts 4 times a second: names looked up once, above
+            record = records.get(name)
             if record is None:
                 continue
-            if record.state == ProcState.HEALTHY:
+            if record.state is _HEALTHY:
                 if not record.via_relay and (turn + self._ticks) % CONTROLLER_HEARTBEAT_EVERY == 0:  # the hosts take turns
                     self.ctrl.channel.send(name, {"kind": Kind.CONTROLLER_HEARTBEAT})
-                if now - record.last_heartbeat > config.hang_timeout_s:
+                if record.last_heartbeat < cutoff:
                     self._lose(record, f"no heartbeat for {now - record.last_heartbeat:.2f} s")
         record = self.records.get(LOCAL)
         if record is not None and record.state == ProcState.HEALTHY and self._local is not None and not self._local.alive():

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 #: The procs a host agent's word "all heard" applies to: those the hang check judges.
 _HEARD_ALL = SERVING | {ProcState.HUNG}
+_HUNG = ProcState.HUNG  # an Enum member read off its class costs 0.2 us (Python 3.11): 8 a host, ~2,000 hosts a second
 
 
 class LivenessController(Protocol):
@@ -126,7 +127,7 @@ class Liveness:
             if rec is not None and rec.host == host:
                 self.on_heartbeat(rec, fields)
 
-    def on_host_heard_all(self, host: str, procs: int) -> bool:
+    def on_host_heard_all(self, host: str, procs: int, now: float | None = None) -> bool:
         """Host agent ``host`` heard all its ``procs`` procs with a rank, none changed (a relay's
         :class:`~.protocol.QuietMember`): every alive proc of the host counts as heard now, in one
         write (the host's :class:`~monarch_nb.supervision.records.HostHeard`, read through
@@ -137,7 +138,8 @@ class Liveness:
         procs on ``host`` than the agent heard: the agent does not run one of them (an exit on its
         way, or a mismatch for the hang check to judge); its next heartbeat is taken afresh. The
         count is compared without a look at each record while the host has no more records than
-        the agent heard (no dead proc's record kept there)."""
+        the agent heard (no dead proc's record kept there). ``now``: when it was heard
+        (``time.monotonic()``; None: now)."""
         recs = self.ctrl.procs.on_host(host)
         if len(recs) > procs:
             judged = sum(1 for rec in recs if rec.state in _HEARD_ALL)
@@ -145,9 +147,9 @@ class Liveness:
                 log.debug("host %s heard %d procs; the controller has %d serving there: none taken as heard", host,
                           procs, judged)
                 return False
-        self.ctrl.procs.host_heard(host).at = time.monotonic()
+        self.ctrl.procs.host_heard(host).at = time.monotonic() if now is None else now
         for rec in recs:
-            if rec.state == ProcState.HUNG:  # silent, then heard again: the full path (it may resume)
+            if rec.state is _HUNG:  # silent, then heard again: the full path (it may resume)
                 self._resume_hung(rec)
         return True
 
