@@ -50,13 +50,13 @@ class _Gather:
     """One call's replies at this agent: how many of this host's procs it went to, how many
     answered (gathered or straight), and the replies held (items and bodies, in arrival order)."""
 
-    __slots__ = ("expected", "seen", "items", "bodies", "first_at", "touched_at")
+    __slots__ = ("expected", "seen", "items", "bodies", "touched_at")
 
     def __init__(self, expected: int, now: float) -> None:
         self.expected, self.seen = expected, 0
         self.items: list[list[Any]] = []
         self.bodies: list[bytes] = []
-        self.first_at, self.touched_at = 0.0, now
+        self.touched_at = now
 
 
 class ReplyGather:
@@ -101,8 +101,7 @@ class ReplyGather:
             header, body = reply
             cid = header["cid"]  # type: ignore[typeddict-item]  # a reply's (checked in _verified)
             gather = self._entry(cid, expected, now)
-            if not gather.items:
-                gather.first_at = now
+            if not gather.items:  # the first held: its linger starts
                 self._call_later(self.linger_s, lambda: self._linger(cid, gather))
             gather.items.append([header["src"], header["gk"], header["idx"], header["ok"], len(body)])  # type: ignore[typeddict-item]
             gather.bodies.append(body)

@@ -156,6 +156,11 @@ _GATHER_FRAME = b"%"  # a proc's first frame on its link: "%N" (a gathered reply
 _STRAIGHT_MARK = b"~"  # the signed reply, or "~CID": one of those N went straight (a tensor, a large body)
 
 
+#: A message a linked proc sent, held behind its gathered replies: (held since, header, body,
+#: buffers, frames, sender).
+_Held = tuple[float, Header, memoryview, list[memoryview], list[Any], "bytes | None"]
+
+
 class _LinkedProc:
     """A proc linked to its host agent, as the controller's channel knows it: its route, its
     agent's routing frame, its incarnation, the last number sent to it (under the channel's lock);
@@ -168,7 +173,7 @@ class _LinkedProc:
         self.route, self.agent, self.incarnation, self.sent = route, agent, incarnation, 0
         self.gathered_upto = 0
         self.gathered_early: set[int] = set()
-        self.waiting: list[tuple[float, Header, memoryview, list[memoryview], list[Any], bytes | None]] = []
+        self.waiting: list[_Held] = []
 
     def took_gathered(self, number: int) -> bool:
         """Note gathered reply ``number`` as received; False if it was already (a duplicate)."""
@@ -392,29 +397,11 @@ class Channel:
             header["gk"] = self._gathered_sent
             self._gather_dst = dst
             frames = encode(self._signer, header, body)
-            self._to_link_locked([b"%s%d" % (_GATHER_FRAME, gather), *frames])
+            self._send_locked([b"%s%d" % (_GATHER_FRAME, gather), *frames], self._links[0])
 
     def _to_link(self, frames: list[Any]) -> None:
         with self._lock:
-            self._to_link_locked(frames)
-
-    def _to_link_locked(self, frames: list[Any]) -> None:
-        if self.muted_until and time.monotonic() < self.muted_until:  # a partition fault cuts this path too
-            self.dropped["partitioned"] += 1
-            return
-        if self._closed.is_set():
-            return
-        link = self._links[0]
-        try:
-            link.send_multipart(frames)
-            pending_input = int(link.getsockopt(_EVENTS)) & _POLLIN
-        except zmq.ZMQError as exc:
-            log.warning("send to the host agent's link failed: %s", exc)
-            return
-        if pending_input:  # the send may have taken the link's edge (see add_link): the loop reads it
-            self._link_backlog.add(link)
-            if threading.get_ident() != self._leader:
-                self._wake()
+            self._send_locked(frames, self._links[0])
 
     def send_many(self, items: Sequence[tuple[str, dict[str, Any]]], header: Header, body: bytes = b"",
                   buffers: Sequence[Any] = ()) -> None:
@@ -524,14 +511,16 @@ class Channel:
         with self._lock:
             self._send_locked([route.encode(), *(linked.stamped(frames) if linked is not None else frames)])
 
-    def _send_locked(self, frames: list[Any]) -> None:
+    def _send_locked(self, frames: list[Any], link: "zmq.Socket[Any] | None" = None) -> None:
+        """Send ``frames`` on the channel's socket, or on the host agent's ``link`` (a proc's
+        replies for gathering); a partition fault cuts both."""
         if self.muted_until and time.monotonic() < self.muted_until:
             self.dropped["partitioned"] += 1
             return
         if self._closed.is_set():
             return
         try:
-            sock = self._sock
+            sock = self._sock if link is None else link
             last = len(frames) - 1
             for i, frame in enumerate(frames):
                 # small frames are copied (cheaper than a zero-copy frame's bookkeeping), buffers are not
@@ -541,8 +530,11 @@ class Channel:
         except zmq.ZMQError as exc:
             log.warning("send failed: %s", exc)
             return
-        if pending_input and threading.get_ident() != self._leader:
-            self._wake()
+        if pending_input:  # the send may have taken the socket's edge (ZMQ_FD): the loop reads it
+            if link is not None:
+                self._link_backlog.add(link)
+            if threading.get_ident() != self._leader:
+                self._wake()
 
     def wake(self) -> None:
         """Make the thread that receives look again (a message was queued for it meanwhile)."""
@@ -774,13 +766,27 @@ class Channel:
             return
         self._accept_now(header, body, buffers, frames, sender)
 
+    def _linked_now(self, src: str) -> _LinkedProc | None:
+        """The linked proc ``src`` (``ROUTE#INCARNATION``) names, if that is its current incarnation."""
+        route, _, incarnation = src.partition("#")
+        linked = self._via.get(route)
+        return linked if linked is not None and str(linked.incarnation) == incarnation else None
+
+    def _due(self, linked: _LinkedProc, due: Callable[[_Held], bool]) -> list[_Held]:
+        """Take ``linked``'s held messages from the first while ``due(held)`` says so, in order."""
+        taken = []
+        while linked.waiting and due(linked.waiting[0]):
+            taken.append(linked.waiting.pop(0))
+        if not linked.waiting:
+            self._waiting.discard(linked)
+        return taken
+
     def _held_back(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any],
                    sender: bytes | None) -> bool:
         """Hold a linked proc's message until the gathered replies it sent before it came (True: held)."""
-        route, _, incarnation = header["src"].partition("#")
-        linked = self._via.get(route)
+        linked = self._linked_now(header["src"])
         after = header["after"]
-        if linked is None or str(linked.incarnation) != incarnation or type(after) is not int or after <= linked.gathered_upto:
+        if linked is None or type(after) is not int or after <= linked.gathered_upto:
             return False
         linked.waiting.append((time.monotonic(), header, body, buffers, frames, sender))
         self._waiting.add(linked)
@@ -791,24 +797,21 @@ class Channel:
         that agent, its current incarnation, a number not seen); drop the others from the
         header; note the numbers; return the messages held for them, now due, in their order."""
         agent = route_id(header["src"]).encode()
-        kept, released = [], []
+        kept: list[list[Any]] = []
+        released: list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]] = []
         items = header["gathered"]
         for item in items if isinstance(items, list) else ():
             if not isinstance(item, list) or len(item) < 2:
                 self.dropped["gathered"] += 1
                 continue
-            route, _, incarnation = str(item[0]).partition("#")
-            linked = self._via.get(route)
-            if (linked is None or linked.agent != agent or str(linked.incarnation) != incarnation or type(item[1]) is not int
-                    or not linked.took_gathered(item[1])):
+            linked = self._linked_now(str(item[0]))
+            if linked is None or linked.agent != agent or type(item[1]) is not int or not linked.took_gathered(item[1]):
                 self.dropped["gathered"] += 1
                 continue
             kept.append(item)
             if linked.waiting:
-                while linked.waiting and linked.waiting[0][1]["after"] <= linked.gathered_upto:
-                    released.append(linked.waiting.pop(0)[1:])
-                if not linked.waiting:
-                    self._waiting.discard(linked)
+                due = self._due(linked, lambda held, upto=linked.gathered_upto: held[1]["after"] <= upto)  # type: ignore[misc]
+                released.extend(held[1:] for held in due)
         header["gathered"] = kept
         return released
 
@@ -818,14 +821,11 @@ class Channel:
             return
         cutoff = time.monotonic() - GATHER_WAIT_MAX_S
         for linked in list(self._waiting):
-            while linked.waiting and linked.waiting[0][0] < cutoff:
-                _, header, body, buffers, frames, sender = linked.waiting.pop(0)
+            for _, header, body, buffers, frames, sender in self._due(linked, lambda held: held[0] < cutoff):
                 log.warning("a message of %s waited %.0f s for replies gathered by its host agent that did not come; "
                             "delivered now", header["src"], GATHER_WAIT_MAX_S)
                 self.dropped["gathered late"] += 1
                 self._accept_now(header, body, buffers, frames, sender)
-            if not linked.waiting:
-                self._waiting.discard(linked)
 
     def _accept_now(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any],
                     sender: bytes | None = None) -> None:
