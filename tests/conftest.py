@@ -8,11 +8,13 @@ or ``procs4`` fixture runs the same tests on another set-up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import tempfile
 import time
+from typing import Any, Iterator
 
 import pytest
 
@@ -164,6 +166,26 @@ def no_leaked_processes(suite_settings):
     wait_until(lambda: not [pid for pid, ppid, argv in live_processes() if b"--forkserver" in argv and ppid == 1], 5.0,
                message="no orphaned fork server")
     wait_until(lambda: _leftovers(seen) == ([], []), 5.0, message=f"no run folder or /dev/shm file left: {_leftovers(seen)}")
+
+
+@contextlib.contextmanager
+def local_hosts(no_leaked_processes: set[int], hosts: int, gpus: int) -> Iterator[tuple[Any, Any, Any]]:
+    """A LocalJob of ``hosts`` local hosts (real host agents) with ``gpus`` procs each: yields
+    (the controller, the hosts' mesh, the procs); the procs are stopped and the job killed after,
+    its agents known to ``no_leaked_processes``."""
+    from monarch_nb.job import LocalJob
+    from monarch_nb.runtime.controller import Controller
+
+    job = LocalJob({"trainers": hosts})
+    try:
+        host_mesh = job.state().trainers
+        procs = host_mesh.spawn_procs(per_host={"gpus": gpus})
+        ctrl = Controller.get()
+        no_leaked_processes.update(h.pid for h in ctrl.hosts.values() if h.name in host_mesh.host_names)
+        yield ctrl, host_mesh, procs
+        procs.stop()
+    finally:
+        job.kill()
 
 
 @pytest.fixture

@@ -11,12 +11,10 @@ import pytest
 
 import monarch_nb
 from monarch_nb.config import config
-from monarch_nb.job import LocalJob
-from monarch_nb.runtime.controller import Controller
 from monarch_nb.supervision.records import ProcState
 
 from .actors import Counter
-from .conftest import hang_deadline_s, pid_alive, wait_until
+from .conftest import hang_deadline_s, local_hosts, pid_alive, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,19 +23,11 @@ pytestmark = pytest.mark.timeout(300)
 def paired_hosts(no_leaked_processes):
     """4 local hosts in relay pairs (fan-in 2), a Counter on each; the members once the tree formed."""
     monarch_nb.configure(relay_fan_in=2, relay_min_hosts=2)
-    job = LocalJob({"trainers": 4})
-    try:
-        hosts = job.state().trainers
-        procs = hosts.spawn_procs(per_host={"gpus": 1})
-        ctrl = Controller.get()
-        no_leaked_processes.update(h.pid for h in ctrl.hosts.values() if h.name in hosts.host_names)
+    with local_hosts(no_leaked_processes, hosts=4, gpus=1) as (ctrl, hosts, procs):
         counters = procs.spawn("c", Counter)
         members = lambda: {h.name: h.via_relay for h in ctrl.hosts.values() if h.name in hosts.host_names and h.via_relay}  # noqa: E731
         wait_until(lambda: len(members()) == 2, 30, message="two hosts heartbeating through the other two")
         yield ctrl, hosts, procs, counters, members()
-        procs.stop()
-    finally:
-        job.kill()
 
 
 def test_hosts_heard_through_relays_stay_healthy_and_answer(paired_hosts):

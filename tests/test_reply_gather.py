@@ -11,10 +11,9 @@ import threading
 import pytest
 
 from monarch_nb import SupervisionError
-from monarch_nb.job import LocalJob
-from monarch_nb.runtime.controller import Controller
 
 from .actors import Worker
+from .conftest import local_hosts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,18 +21,10 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def two_hosts(no_leaked_processes):
     """A Worker on each of 4 procs on each of 2 local hosts."""
-    job = LocalJob({"trainers": 2})
-    try:
-        hosts = job.state().trainers
-        procs = hosts.spawn_procs(per_host={"gpus": 4})
-        ctrl = Controller.get()
-        no_leaked_processes.update(h.pid for h in ctrl.hosts.values() if h.name in hosts.host_names)
+    with local_hosts(no_leaked_processes, hosts=2, gpus=4) as (ctrl, _, procs):
         workers = procs.spawn("w", Worker)
         assert workers.echo.call(0).get(timeout=60).values() == [0] * 8
         yield ctrl, procs, workers
-        procs.stop()
-    finally:
-        job.kill()
 
 
 def test_a_call_to_all_across_hosts_comes_back_one_message_a_host_and_a_killed_rank_fails_it(two_hosts):

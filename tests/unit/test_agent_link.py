@@ -4,9 +4,10 @@ process, no worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import zmq
@@ -60,26 +61,26 @@ class Gate:
         self.link.forward(routes, frames)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A controller, one host agent with its link, procs pm0.0 and pm0.1 linked to it and pm0.2
-    not linked; each has said hello, so the controller's ROUTER knows them."""
+@contextlib.contextmanager
+def one_host(tmp_path, controller_name: str = "controller") -> Iterator[tuple[Channel, Channel, AgentLink, dict[str, Channel], dict[str, Inbox]]]:
+    """A controller, one host agent with its link (its ``on_routed`` and the link's
+    ``on_gathered`` for the caller to set), procs pm0.0 and pm0.1 linked to it and pm0.2 not
+    linked; each has said hello, so the controller's ROUTER knows them. Yields (controller,
+    agent, link, procs, inboxes); closes them all."""
     signer = Signer(KEY)
-    inbox: dict[str, Inbox] = {name: Inbox() for name in ("controller", "host0", "pm0.0", "pm0.1", "pm0.2")}
-    controller = Channel("controller", signer, inbox["controller"], router=True)
-    controller.fan_min_procs, controller.fan_min_hosts = 2, 1  # one host of 2 linked procs: casts to both through it
+    inbox: dict[str, Inbox] = {name: Inbox() for name in (controller_name, "host0", "pm0.0", "pm0.1", "pm0.2")}
+    controller = Channel(controller_name, signer, inbox[controller_name], router=True)
     address = controller.bind(f"ipc://{tmp_path}/ctl")
     controller.start()
     agent = Channel("host0#1", signer, inbox["host0"])
     link = AgentLink(str(tmp_path))
-    agent.on_routed = gate = Gate(link)
     agent.add_reader(link.fd, link.on_readable)
     agent.connect(address)
     agent.start()
     procs: dict[str, Channel] = {}
     channels = [controller, agent]
     try:
-        agent.send("controller", {"kind": "agent_hello"})
+        agent.send(controller_name, {"kind": "agent_hello"})
         for rank in range(3):
             name = f"pm0.{rank}"
             proc = procs[name] = Channel(f"{name}#{100 + rank}", signer, inbox[name])
@@ -90,15 +91,25 @@ def cluster(tmp_path):
                 proc.add_link(sock)
             proc.connect(address)
             proc.start()
-            proc.send("controller", {"kind": "hello"})
-        wait_for(lambda: len(inbox["controller"].items) == 4)
+            proc.send(controller_name, {"kind": "hello"})
+        wait_for(lambda: len(inbox[controller_name].items) == 4)
         controller.route_via("pm0.0", "host0", 100)
         controller.route_via("pm0.1", "host0", 101)
-        yield controller, link, procs, inbox, gate
+        yield controller, agent, link, procs, inbox
     finally:
         for channel in channels:
             channel.close()
         link.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """:func:`one_host`, the agent passing casts on through a :class:`Gate`, casts to 2 procs of
+    the one host through it."""
+    with one_host(tmp_path) as (controller, agent, link, procs, inbox):
+        controller.fan_min_procs, controller.fan_min_hosts = 2, 1  # one host of 2 linked procs: casts to both through it
+        agent.on_routed = gate = Gate(link)
+        yield controller, link, procs, inbox, gate
 
 
 def test_a_cast_to_the_procs_of_a_host_is_one_message_through_its_agent(cluster):

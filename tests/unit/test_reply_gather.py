@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 
 from monarch_nb.runtime import reply_gather
-from monarch_nb.runtime.proc_link import AgentLink, link_to_agent
 from monarch_nb.runtime.protocol import CONTROLLER, Kind
 from monarch_nb.runtime.reply_gather import ReplyGather
 from monarch_nb.transport import channel as channel_module
 from monarch_nb.transport.channel import Channel
 from monarch_nb.transport.wire import Signer, encode
 
-from .test_agent_link import KEY, Inbox, wait_for
+from .test_agent_link import KEY, Inbox, one_host, wait_for
 
 
 def reply(cid: str, idx: int, ok: bool = True) -> dict[str, Any]:
@@ -26,44 +25,13 @@ def reply(cid: str, idx: int, ok: bool = True) -> dict[str, Any]:
 
 @pytest.fixture
 def cluster(tmp_path):
-    """A controller, one host agent gathering its procs' replies, procs pm0.0 and pm0.1 linked
-    to it and pm0.2 not linked; each has said hello. The agent's linger is long (30 s): a test
-    that wants it short sets ``gather.linger_s``."""
-    signer = Signer(KEY)
-    inbox: dict[str, Inbox] = {name: Inbox() for name in (CONTROLLER, "host0", "pm0.0", "pm0.1", "pm0.2")}
-    controller = Channel(CONTROLLER, signer, inbox[CONTROLLER], router=True)
-    address = controller.bind(f"ipc://{tmp_path}/ctl")
-    controller.start()
-    agent = Channel("host0#1", signer, inbox["host0"])
-    link = AgentLink(str(tmp_path))
-    gather = ReplyGather(signer, lambda header, body: agent.send(CONTROLLER, header, body), agent.call_later, linger_s=30.0)
-    link.on_gathered = gather.on_link_message
-    agent.add_reader(link.fd, link.on_readable)
-    agent.connect(address)
-    agent.start()
-    procs: dict[str, Channel] = {}
-    channels = [controller, agent]
-    try:
-        agent.send(CONTROLLER, {"kind": "agent_hello"})
-        for rank in range(3):
-            name = f"pm0.{rank}"
-            proc = procs[name] = Channel(f"{name}#{100 + rank}", signer, inbox[name])
-            channels.append(proc)
-            if rank < 2:
-                sock = link_to_agent(link.address, name, timeout_s=5)
-                assert sock is not None, "the agent answered the link"
-                proc.add_link(sock)
-            proc.connect(address)
-            proc.start()
-            proc.send(CONTROLLER, {"kind": "hello"})
-        wait_for(lambda: len(inbox[CONTROLLER].items) == 4)
-        controller.route_via("pm0.0", "host0", 100)
-        controller.route_via("pm0.1", "host0", 101)
+    """test_agent_link's :func:`one_host` (the controller named as the runtime names it), its agent
+    gathering its procs' replies. The agent's linger is long (30 s): a test that wants it short
+    sets ``gather.linger_s``."""
+    with one_host(tmp_path, CONTROLLER) as (controller, agent, link, procs, inbox):
+        gather = ReplyGather(Signer(KEY), lambda header, body: agent.send(CONTROLLER, header, body), agent.call_later, linger_s=30.0)
+        link.on_gathered = gather.on_link_message
         yield controller, gather, procs, inbox[CONTROLLER]
-    finally:
-        for channel in channels:
-            channel.close()
-        link.close()
 
 
 def test_the_replies_of_a_hosts_procs_to_a_call_reach_the_controller_as_one_message(cluster):
