@@ -119,7 +119,7 @@ class SimProcs:
 
     def serve_routed(self, frames: list, gather: ReplyGather) -> None:
         """A message the controller sent through a simulated agent (``@ROUTE[,ROUTE...]``, then
-        the signed frames): read once, answered for each proc named (its own fields from ``fan``),
+        the signed frames): read once, answered for each proc named (its own fields from ``fan``'s columns),
         a call to all's replies through the agent's ``gather`` as linked procs' are."""
         try:
             header, _, _ = decode(self.signer, frames[1:])
@@ -127,8 +127,9 @@ class SimProcs:
             return
         fan = header.pop("fan", None)
         routes = bytes(frames[0])[1:].decode().split(",")
-        for route in routes:
-            self.answer(route, {**header, **fan[route]} if fan is not None else header, gather if len(routes) > 1 else None, len(routes))
+        for index, route in enumerate(routes):  # the routing frame and the fan's "to" list them in the same order
+            own = header if fan is None else {**header, **{name: column[index] for name, column in fan.items() if name != "to"}}
+            self.answer(route, own, gather if len(routes) > 1 else None, len(routes))
 
     def answer(self, identity: str, header: dict, gather: ReplyGather | None = None, expected: int = 1) -> None:
         """What proc ``identity`` with a trivial actor does with ``header``'s message (its reply

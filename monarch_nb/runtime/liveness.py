@@ -311,7 +311,7 @@ class Liveness:
         note = FailedProc.encode([FailedProc(rec.identity, rec.rank, cause, detail, signame) for rec in recs])
         failed: ProcsFailedHeader = {"kind": Kind.PROC_FAILED, "count": len(recs)}
         peers = self._peers({rec.identity for rec in recs}, include_starting=False)
-        ctrl.channel.send_many([(other.identity, {}) for other in peers], failed, note)  # one message a host
+        ctrl.channel.send_many([other.identity for other in peers], failed, note)  # one message a host
         for mesh in dict.fromkeys(rec.mesh for rec in recs):
             ctrl.new_rendezvous_round(mesh)  # after the peers know: none forms a group on the new round meanwhile
         for rec in recs:
@@ -325,7 +325,7 @@ class Liveness:
         self.ctrl.messenger.proc_recovered(rec.identity)
         recovered: PeerHeader = {"kind": Kind.PROC_RECOVERED, "proc": rec.identity}
         peers = self._peers({rec.identity}, include_starting)
-        self.ctrl.channel.send_many([(other.identity, {}) for other in peers], recovered)  # one message a host
+        self.ctrl.channel.send_many([other.identity for other in peers], recovered)  # one message a host
 
     def _respawn_actors(self, rec: ProcRecord) -> None:
         """A restarted proc said hello: construct its actors again, then it serves."""

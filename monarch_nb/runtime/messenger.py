@@ -121,15 +121,12 @@ class Messenger:
             header["mx"] = [list(ext.labels), list(ext.sizes)]
         if port is not None:
             header["port"] = [port.owner, port.port_id]
-            self._deliver_many([(target.proc, {"rank": target.rank, "mi": message_extent[1][index] if message_extent is not None else index})
-                                for index, target in enumerate(targets) if not self._failed or route_id(target.proc) not in self._failed],
-                               header, body, buffers)
+            self._deliver_to(targets, self._live(targets), header, body, buffers,
+                             mi=message_extent[1] if message_extent is not None else list(range(len(targets))))
             return None
         if not want_reply:
-            self._deliver_many([(target.proc, {"rank": target.rank} if message_extent is None else
-                                 {"rank": target.rank, "mi": message_extent[1][index]})
-                                for index, target in enumerate(targets) if not self._failed or route_id(target.proc) not in self._failed],
-                               header, body, buffers)
+            self._deliver_to(targets, self._live(targets), header, body, buffers,
+                             mi=message_extent[1] if message_extent is not None else None)
             return None
         return self._call(targets, header, body, buffers, extent, stream, message_extent, display=display)
 
@@ -155,8 +152,7 @@ class Messenger:
         if extra:
             header.update(extra)
         if not want_reply:
-            self._deliver_many([(target.proc, {"rank": target.rank}) for target in targets
-                                if even_if_failed or not self._failed or route_id(target.proc) not in self._failed], header, body, buffers)
+            self._deliver_to(targets, None if even_if_failed else self._live(targets), header, body, buffers)
             return None
         future = self._call(targets, header, body, buffers, extent, False, None, even_if_failed)
         assert not isinstance(future, list)  # not a stream
@@ -194,17 +190,13 @@ class Messenger:
             header["gth"] = 1  # the future takes every reply at once: their host agents may gather them
         with self._lock:
             self._pending[cid] = pending
-        items: list[tuple[str, dict[str, Any]]] = []
-        for index, target in enumerate(targets):
-            failure = None if even_if_failed or not self._failed else self._failed.get(route_id(target.proc))
-            if failure is not None:
-                self._complete(cid, index, error=self._proc_error(pending, target, failure))
-                continue
-            fields = {"idx": index, "rank": target.rank}
-            if message_extent is not None:
-                fields["mi"] = message_extent[1][index]
-            items.append((target.proc, fields))
-        self._deliver_many(items, header, body, buffers)
+        live = None if even_if_failed else self._live(targets)
+        if live is not None:
+            for index in sorted(set(range(len(targets))) - set(live)):
+                target = targets[index]
+                self._complete(cid, index, error=self._proc_error(pending, target, self._failed[route_id(target.proc)]))
+        self._deliver_to(targets, live, header, body, buffers, idx=True,
+                         mi=message_extent[1] if message_extent is not None else None)
         if not targets and future is not None:
             future._inner.set_result(ValueMesh(extent, []) if extent is not None else None)
         if streams is not None:
@@ -221,22 +213,47 @@ class Messenger:
         else:
             self.channel.send(dst, header, body, buffers)
 
-    def _deliver_many(self, items: list[tuple[str, dict[str, Any]]], header: CallHeader, body: bytes,
-                      buffers: list[memoryview]) -> None:
-        """Deliver ``header`` plus each target's own fields (rank, idx, mi) to each ``(proc,
-        fields)``: local actors directly, the rest in one :meth:`Channel.send_many` (one message
-        per host agent where the procs are linked to theirs)."""
-        remote = []
-        for dst, fields in items:
-            if dst in self.local:
-                self._deliver(dst, cast(CallHeader, {**header, **fields}), body, buffers)
-            else:
-                remote.append((dst, fields))
-        if len(remote) == 1:
-            dst, fields = remote[0]
-            self.channel.send(dst, cast(CallHeader, {**header, **fields}), body, buffers)
-        elif remote:
-            self.channel.send_many(remote, header, body, buffers)
+    def _live(self, targets: Sequence[Target]) -> list[int] | None:
+        """The indices of ``targets`` whose procs have not failed; None: all of them."""
+        failed = self._failed
+        if not failed:
+            return None
+        return [index for index, target in enumerate(targets) if route_id(target.proc) not in failed]
+
+    def _deliver_to(self, targets: Sequence[Target], chosen: list[int] | None, header: CallHeader, body: bytes,
+                    buffers: list[memoryview], *, idx: bool = False, mi: Sequence[int] | None = None) -> None:
+        """Deliver ``header`` to ``targets[i]`` for each ``i`` of ``chosen`` (None: all), with
+        its ``rank``, its ``idx`` (``i``) when ``idx``, and ``mi[i]`` when ``mi`` is given."""
+        if chosen is not None:
+            targets = [targets[index] for index in chosen]
+        each: dict[str, Sequence[Any]] = {"rank": [target.rank for target in targets]}
+        if idx:
+            each["idx"] = range(len(targets)) if chosen is None else chosen
+        if mi is not None:
+            each["mi"] = mi if chosen is None else [mi[index] for index in chosen]
+        self._deliver_many([target.proc for target in targets], header, body, buffers, each)
+
+    def _deliver_many(self, dsts: list[str], header: CallHeader, body: bytes, buffers: list[memoryview],
+                      each: dict[str, Sequence[Any]]) -> None:
+        """Deliver ``header`` plus each destination's own fields (``each[name][i]`` is
+        ``dsts[i]``'s) to each of ``dsts``: local actors directly, the rest in one
+        :meth:`Channel.send_many` (one message per host agent where the procs are linked to theirs)."""
+        local = self.local
+        if local and any(dst in local for dst in dsts):
+            remote = []
+            for index, dst in enumerate(dsts):
+                if dst in local:
+                    self._deliver(dst, cast(CallHeader, {**header, **{name: column[index] for name, column in each.items()}}),
+                                  body, buffers)
+                else:
+                    remote.append(index)
+            dsts = [dsts[index] for index in remote]
+            each = {name: [column[index] for index in remote] for name, column in each.items()}
+        if len(dsts) == 1:
+            self.channel.send(dsts[0], cast(CallHeader, {**header, **{name: column[0] for name, column in each.items()}}),
+                              body, buffers)
+        elif dsts:
+            self.channel.send_many(dsts, header, body, buffers, each)
 
     def _forget(self, cid: str) -> None:
         with self._lock:
@@ -249,7 +266,11 @@ class Messenger:
         pending = self._pending.get(cid)
         if pending is None:
             return  # cancelled or already failed: drop the late reply
-        self._take_reply(pending, cid, header.get("idx"), bool(header.get("ok")), body, buffers)
+        index = header.get("idx")
+        if type(index) is not int or not 0 <= index < len(pending.targets):
+            log.warning("dropped a reply of %s to call %s: index %r is not one of the call's", header.get("src"), cid, index)
+            return
+        self._take_reply(pending, cid, index, bool(header.get("ok")), body, buffers)
 
     def on_replies(self, header: RepliesHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle a host agent's ``replies`` (its procs' replies to one call, gathered; the
@@ -260,52 +281,65 @@ class Messenger:
         if pending is None:
             return
         view, offset = memoryview(body), 0
+        targets = pending.targets
+        results: list[tuple[int, Any, BaseException | None]] = []
         for item in header["gathered"]:
             if len(item) != 5 or type(item[4]) is not int:
                 log.warning("dropped the rest of gathered replies to call %s: a malformed item %r", cid, item)
-                return
+                break
             src, _gk, index, ok, nbytes = item
             chunk, offset = view[offset:offset + nbytes], offset + nbytes
-            if type(index) is not int or not 0 <= index < len(pending.targets) or route_id(pending.targets[index].proc) != route_id(str(src)):
+            if type(index) is not int or not 0 <= index < len(targets) or route_id(targets[index].proc) != route_id(str(src)):
                 log.warning("dropped a gathered reply of %s for index %r of call %s: not that call's target", src, index, cid)
                 continue
-            self._take_reply(pending, cid, index, bool(ok), chunk, [])
+            results.append((index, *self._reply_result(pending, index, bool(ok), chunk, [])))
+        self._complete_many(cid, results)
 
     def _take_reply(self, pending: _PendingCall, cid: str, index: int, ok: bool, body: Any, buffers: list[memoryview]) -> None:
+        self._complete_many(cid, [(index, *self._reply_result(pending, index, ok, body, buffers))])
+
+    def _reply_result(self, pending: _PendingCall, index: int, ok: bool, body: Any,
+                      buffers: list[memoryview]) -> tuple[Any, BaseException | None]:
+        """``(value, None)`` or ``(None, error)`` of target ``index``'s reply."""
         try:
             payload = loads(body, buffers)
         except SerializationError as exc:
-            self._complete(cid, index, error=exc)
-            return
+            return None, exc
         if ok:
-            self._complete(cid, index, value=payload)
-        else:
-            target = pending.targets[index]
-            self._complete(cid, index, error=error_from_reply(payload, target.rank, target.coords, pending.actor, pending.endpoint))
+            return payload, None
+        target = pending.targets[index]
+        return None, error_from_reply(payload, target.rank, target.coords, pending.actor, pending.endpoint)
 
     def _complete(self, cid: str, index: int, value: Any = None, error: BaseException | None = None) -> None:
+        self._complete_many(cid, [(index, value, error)])
+
+    def _complete_many(self, cid: str, results: Sequence[tuple[int, Any, BaseException | None]]) -> None:
+        """Take ``(index, value, error)`` of each target that answered call ``cid`` (one taking
+        of the lock for a host's gathered replies); complete its future(s) when due."""
+        done: list[tuple[Future[Any], Any, BaseException | None]] = []  # stream slots to complete
         with self._lock:
             pending = self._pending.get(cid)
-            if pending is None or index not in pending.outstanding:
+            if pending is None:
                 return
-            pending.outstanding.discard(index)
-            if pending.streams is not None:
-                slot = pending.streams[len(pending.targets) - len(pending.outstanding) - 1]
-                if not pending.outstanding:
-                    del self._pending[cid]
-            else:
-                slot = None
-                if error is not None:
+            outstanding = pending.outstanding
+            for index, value, error in results:
+                if index not in outstanding:
+                    continue
+                outstanding.discard(index)
+                if pending.streams is not None:
+                    done.append((pending.streams[len(pending.targets) - len(outstanding) - 1], value, error))
+                elif error is not None:
                     pending.errors.append(error)
                 else:
                     pending.values[index] = value
-                if pending.outstanding:
-                    return
+            finished = not outstanding
+            if finished:
                 del self._pending[cid]
-        if slot is not None:
+        for slot, value, error in done:
             inner = slot._inner
             if not inner.done():
                 inner.set_exception(error) if error is not None else inner.set_result(value)
+        if pending.streams is not None or not finished:
             return
         assert pending.future is not None  # not a stream: one Future for every reply
         inner = pending.future._inner

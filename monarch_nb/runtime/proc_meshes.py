@@ -298,7 +298,7 @@ class ProcMeshes:
                 rec.spec["env"]["extra"].update(MASTER_PORT=str(store.port),
                                                 TORCHELASTIC_RESTART_COUNT=str(record.rendezvous_round))
         header: RendezvousHeader = {"kind": Kind.RENDEZVOUS, "addr": store.host, "port": store.port, "round": record.rendezvous_round}
-        ctrl.channel.send_many([(rec.identity, {}) for rec in recs if rec.alive and rec.state != ProcState.RESTARTING],
+        ctrl.channel.send_many([rec.identity for rec in recs if rec.alive and rec.state != ProcState.RESTARTING],
                                header)  # one message a host where the procs are linked to their agents
 
     def _keep_spares(self, host: str, mesh: str, spec: dict, count: int, preload: Sequence[str]) -> None:

@@ -29,8 +29,8 @@ DEALER whose routing identity is their name. Identities may carry an incarnation
 Casts through host agents (:meth:`Channel.send_many`): a message for several procs linked to
 the same host agent (:meth:`Channel.route_via`) is sent once, to the agent (a first frame
 ``@ROUTE,ROUTE...`` that the agent reads; the signed message passed on unread, see
-:mod:`monarch_nb.runtime.proc_link`); the header's ``fan`` maps each route to that proc's own
-fields. A message for one proc still goes straight to it (no extra hop on a ``call_one``), as
+:mod:`monarch_nb.runtime.proc_link`); the header's ``fan`` lists the routes (``to``) and each
+field that differs by proc as a column in the same order. A message for one proc still goes straight to it (no extra hop on a ``call_one``), as
 does a message another peer sends it through the controller. Two paths must not change the order
 in which the controller's socket sends a proc its messages (the controller's own and those it
 passes on from peers: before the link they shared one pipe, and code relies on that, e.g. a
@@ -66,7 +66,7 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import zmq
 
@@ -159,6 +159,31 @@ _STRAIGHT_MARK = b"~"  # the signed reply, or "~CID": one of those N went straig
 #: A message a linked proc sent, held behind its gathered replies: (held since, header, body,
 #: buffers, frames, sender).
 _Held = tuple[float, Header, memoryview, list[memoryview], list[Any], "bytes | None"]
+
+
+#: Casts' plans a channel keeps (see :meth:`Channel._fan_plan`); all are dropped when there are more.
+_MAX_FAN_PLANS = 64
+
+
+class _FanGroup(NamedTuple):
+    """The destinations of a cast linked to one host agent: its routing frame, theirs, and their
+    indices in the cast's destinations."""
+
+    agent: bytes  # the agent's route, the ROUTER's first frame
+    dst: str  # the same, the header's dst
+    routing: bytes  # "@ROUTE,ROUTE...": read by the agent
+    routes: list[str]
+    members: list["_LinkedProc"]
+    indices: list[int]
+
+
+class _FanPlan(NamedTuple):
+    """How a cast to a list of destinations goes: these indices one by one, these groups one
+    message per host agent; made when the links were at ``version``."""
+
+    version: int
+    straight: list[int]
+    groups: list[_FanGroup]
 
 
 class _LinkedProc:
@@ -262,6 +287,8 @@ class Channel:
         self._readers_version = 0
         self._route_frames: dict[str, bytes] = {}
         self._via: dict[str, _LinkedProc] = {}  # ROUTER: linked procs by route
+        self._via_version = 0  # ROUTER: changed whenever _via is, so a cast's plan is made again
+        self._plans: dict[tuple[str, ...], _FanPlan] = {}  # ROUTER: casts' plans by their destinations
         self._links: list[zmq.Socket[Any]] = []  # DEALER: its host agent's link (received from like the socket)
         self._link_backlog: set[zmq.Socket[Any]] = set()  # links left with messages waiting (see _receive_link)
         # DEALER: the controller's numbered messages (pseq), delivered in order: this incarnation, the next
@@ -403,43 +430,70 @@ class Channel:
         with self._lock:
             self._send_locked(frames, self._links[0])
 
-    def send_many(self, items: Sequence[tuple[str, dict[str, Any]]], header: Header, body: bytes = b"",
-                  buffers: Sequence[Any] = ()) -> None:
-        """Send ``header`` (plus each destination's own fields) with ``body`` to each ``(dst,
-        fields)`` of ``items``, as :meth:`send` would one by one; the destinations reached
-        through the same host agent get one message, signed once (``fan``: route -> fields),
-        which the agent passes to each of them, when the message is for at least
-        :attr:`fan_min_procs` procs in all, on at least :attr:`fan_min_hosts` hosts. Each
-        ``fields`` dict is the callee's to keep (a cast's entries are them). Thread-safe; never
-        blocks on the network."""
-        groups: dict[bytes, list[tuple[_LinkedProc, dict[str, Any]]]] = {}
+    def send_many(self, dsts: Sequence[str], header: Header, body: bytes = b"", buffers: Sequence[Any] = (),
+                  each: dict[str, Sequence[Any]] | None = None) -> None:
+        """Send ``header`` with ``body`` to each of ``dsts``, as :meth:`send` would one by one;
+        ``each``: fields that differ by destination, as columns (``each[name][i]`` is
+        ``dsts[i]``'s ``name``). The destinations reached through the same host agent get one
+        message, signed once (``fan``: the routes and each column's entries for them), which the
+        agent passes to each of them, when the message is for at least :attr:`fan_min_procs`
+        procs in all, on at least :attr:`fan_min_hosts` hosts. Which destination goes which way
+        is planned once per list of destinations (:meth:`_fan_plan`), so a cast's per-proc work is
+        its number (``pseq``) and its columns' entries. Thread-safe; never blocks on the network."""
+        plan = self._fan_plan(dsts)
+        columns = each or {}
+        for index in plan.straight:
+            self.send(dsts[index], {**header, **{name: column[index] for name, column in columns.items()}},  # type: ignore[typeddict-item]  # a kind's own fields
+                      body, buffers)
+        for group in plan.groups:
+            fan: Header = {**header, "src": self.identity, "dst": group.dst}
+            entries: dict[str, list[Any]] = {"to": group.routes}
+            for name, column in columns.items():
+                entries[name] = [column[index] for index in group.indices]
+            with self._lock:
+                self._seq += 1
+                fan["seq"] = self._seq
+                entries["pseq"] = [[linked.incarnation, linked.number()] for linked in group.members]
+                fan["fan"] = entries
+                frames = encode(self._signer, fan, body, buffers)
+                self.sent_via_agents += 1
+                frames[:0] = [group.agent, group.routing]
+                self._send_locked(frames)
+
+    def _fan_plan(self, dsts: Sequence[str]) -> "_FanPlan":
+        """Which of ``dsts`` go one by one and which in one message per host agent, kept for the
+        next send to the same destinations until a proc is linked or unlinked (a few plans)."""
+        key = tuple(dsts)
+        plan = self._plans.get(key)
+        if plan is not None and plan.version == self._via_version:
+            return plan
+        version = self._via_version
+        groups: dict[bytes, tuple[list[_LinkedProc], list[int]]] = {}
+        straight: list[int] = []
         via = self._via
-        for dst, fields in items:
+        for index, dst in enumerate(dsts):
             linked = via.get(dst) if via else None
             if linked is None and via and "#" in dst:
                 linked = via.get(route_id(dst))
             if linked is None:
-                self.send(dst, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]  # a kind's own fields
+                straight.append(index)
             else:
-                groups.setdefault(linked.agent, []).append((linked, fields))
-        fan_out = len(items) >= self.fan_min_procs and len(groups) >= self.fan_min_hosts
-        for agent, members in groups.items():
+                members, indices = groups.setdefault(linked.agent, ([], []))
+                members.append(linked)
+                indices.append(index)
+        fan_out = len(dsts) >= self.fan_min_procs and len(groups) >= self.fan_min_hosts
+        fans = []
+        for agent, (members, indices) in groups.items():
             if len(members) < 2 or not fan_out:  # the agent's hop would cost more than these sends
-                for linked, fields in members:
-                    self.send(linked.route, {**header, **fields}, body, buffers)  # type: ignore[typeddict-item]
+                straight.extend(indices)
                 continue
-            fan: Header = {**header, "src": self.identity, "dst": agent.decode()}
-            with self._lock:
-                self._seq += 1
-                fan["seq"] = self._seq
-                entries = fan["fan"] = {}
-                for linked, fields in members:
-                    fields["pseq"] = [linked.incarnation, linked.number()]
-                    entries[linked.route] = fields
-                frames = encode(self._signer, fan, body, buffers)
-                self.sent_via_agents += 1
-                frames[:0] = [agent, b"@" + b",".join(linked.route.encode() for linked, _ in members)]
-                self._send_locked(frames)
+            routes = [linked.route for linked in members]
+            fans.append(_FanGroup(agent, agent.decode(), b"@" + ",".join(routes).encode(), routes, members, indices))
+        plan = _FanPlan(version, sorted(straight), fans)
+        if len(self._plans) >= _MAX_FAN_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def route_via(self, dst: str, agent: str, incarnation: int) -> None:
         """``dst``'s incarnation ``incarnation`` (its pid) is linked to host ``agent``: casts to it
@@ -448,6 +502,7 @@ class Channel:
         route = route_id(dst)
         self._forget_waiting(self._via.get(route))
         self._via[route] = _LinkedProc(route, route_id(agent).encode(), incarnation)
+        self._via_version += 1
 
     def routed_via(self, dst: str) -> str | None:
         """The host agent that casts to ``dst`` go through, or None (not linked)."""
@@ -462,6 +517,7 @@ class Channel:
     def route_direct(self, dst: str) -> None:
         """``dst``'s new incarnation is not linked: every message straight to it, unnumbered."""
         self._forget_waiting(self._via.pop(route_id(dst), None))
+        self._via_version += 1
 
     def _forget_waiting(self, linked: _LinkedProc | None) -> None:
         """An incarnation is replaced (it is gone): drop what it sent that waited for replies its
@@ -734,14 +790,20 @@ class Channel:
         fan = header.pop("fan", None)  # a message to several procs of a host: take ours
         if fan is not None:
             own = self._own_route.decode()
-            fields = fan.get(own) if isinstance(fan, dict) else None
-            if fields is None:
+            try:
+                routes = fan["to"]
+                index = routes.index(own)
+                fields = {name: column[index] for name, column in fan.items() if name != "to"}
+            except ValueError:
                 self.dropped["not ours"] += 1
+                return
+            except (TypeError, KeyError, IndexError, AttributeError):
+                self.dropped["bad"] += 1
                 return
             header.update(fields)  # type: ignore[typeddict-item]  # a kind's own fields (rank, idx, mi, pseq)
             header["dst"] = own  # as a message of its own to us would say
-            if len(fan) > 1 and self._links:
-                header["_fanned"] = len(fan)  # type: ignore[typeddict-unknown-key]  # its reply may be gathered (see send)
+            if len(routes) > 1 and self._links:
+                header["_fanned"] = len(routes)  # type: ignore[typeddict-unknown-key]  # its reply may be gathered (see send)
         pseq = header.pop("pseq", None)
         if pseq is not None:
             if not (isinstance(pseq, list) and len(pseq) == 2 and all(type(v) is int for v in pseq)):

@@ -61,7 +61,7 @@ class Header(_KindField, total=False):
     seq: int  # the sender's sequence number (the replay guard's)
     nbuf: list[int]  # the byte sizes of the out-of-band buffers
     shm: list[list[Any]]  # [buffer index, shared-memory name, bytes] of buffers sent through /dev/shm
-    fan: dict[str, dict[str, Any]]  # one message for several procs of a host: route -> that proc's own fields
+    fan: dict[str, list[Any]]  # one message for several procs of a host: "to": their routes, and a column per field that differs by proc
     pseq: list[int]  # [incarnation, n]: the n-th message the controller's socket sent this incarnation of a linked proc
     gk: int  # a linked proc's reply sent through its host agent for gathering: its n-th such
     after: int  # a linked proc's message to the controller: the replies it had sent for gathering (gk) before it

@@ -114,8 +114,8 @@ def cluster(tmp_path):
 
 def test_a_cast_to_the_procs_of_a_host_is_one_message_through_its_agent(cluster):
     controller, link, procs, inbox, gate = cluster
-    controller.send_many([(f"pm0.{r}", {"rank": r, "idx": r}) for r in range(3)], {"kind": "call", "actor": "a", "ep": "f"},
-                         b"the body")
+    controller.send_many([f"pm0.{r}" for r in range(3)], {"kind": "call", "actor": "a", "ep": "f"}, b"the body",
+                         each={"rank": [0, 1, 2], "idx": [0, 1, 2]})
     wait_for(lambda: all(inbox[f"pm0.{r}"].of_kind("call") for r in range(3)))
     for rank in range(3):
         [got] = inbox[f"pm0.{rank}"].of_kind("call")
@@ -126,18 +126,60 @@ def test_a_cast_to_the_procs_of_a_host_is_one_message_through_its_agent(cluster)
     assert not inbox["host0"].items, "the agent passed it on unread"
 
 
+def test_a_cast_to_the_same_procs_goes_the_way_their_links_say_now(cluster):
+    """The way a cast takes is planned once per list of destinations and made again when a
+    proc is linked or unlinked: the same cast goes straight, then through the agent."""
+    controller, link, procs, inbox, gate = cluster
+    dsts = ["pm0.0", "pm0.1"]
+    controller.route_direct("pm0.1")  # as if its hello had not said it was linked
+    controller.send_many(dsts, {"kind": "call", "n": 1})
+    wait_for(lambda: all(len(inbox[d].of_kind("call")) == 1 for d in dsts))
+    assert controller.sent_via_agents == 0, "one linked proc on the host: each straight"
+    controller.route_via("pm0.1", "host0", 101)
+    controller.send_many(dsts, {"kind": "call", "n": 2})
+    wait_for(lambda: all(len(inbox[d].of_kind("call")) == 2 for d in dsts))
+    assert controller.sent_via_agents == 1, "both linked now: one message through the agent"
+    controller.route_direct("pm0.1")
+    controller.send_many(dsts, {"kind": "call", "n": 3})
+    wait_for(lambda: all(len(inbox[d].of_kind("call")) == 3 for d in dsts))
+    assert controller.sent_via_agents == 1
+    for dst in dsts:
+        assert [h["n"] for h in inbox[dst].of_kind("call")] == [1, 2, 3]
+        assert not procs[dst].dropped, procs[dst].dropped
+
+
+def test_a_signed_cast_whose_fan_does_not_add_up_is_dropped_and_counted(cluster, tmp_path):
+    """A column shorter than the routes (a bug in a sender holding the key): each proc drops it
+    as bad, and the next cast still arrives."""
+    controller, link, procs, inbox, gate = cluster
+    sender = zmq.Context.instance().socket(zmq.DEALER)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.setsockopt(zmq.IDENTITY, b"buggy")
+    sender.connect(f"ipc://{tmp_path}/ctl")
+    try:
+        bad = encode(Signer(KEY), {"kind": "call", "src": "buggy", "dst": "host0", "seq": 1,
+                                   "fan": {"to": ["pm0.0", "pm0.1"], "rank": [0]}})
+        sender.send_multipart([b"host0", b"@pm0.0,pm0.1", *bad])
+        wait_for(lambda: procs["pm0.1"].dropped["bad"] == 1)
+    finally:
+        sender.close()
+    assert procs["pm0.0"].dropped["bad"] == 0 and inbox["pm0.0"].of_kind("call")[0]["rank"] == 0, "its entry was there"
+    controller.send_many(["pm0.0", "pm0.1"], {"kind": "call", "n": 2}, each={"rank": [0, 1]})
+    wait_for(lambda: [h.get("n") for h in inbox["pm0.1"].of_kind("call")] == [2])
+
+
 def test_a_message_that_overtakes_a_cast_waits_for_it(cluster):
     """A cast goes through the agent, a message to one proc straight to it: the later one may
     arrive first, and waits (in the proc's channel) until the cast is delivered."""
     controller, link, procs, inbox, gate = cluster
     gate.open.clear()  # the agent is slow
-    controller.send_many([("pm0.0", {"n": 1}), ("pm0.1", {"n": 1})], {"kind": "call"})
+    controller.send_many(["pm0.0", "pm0.1"], {"kind": "call", "n": 1})
     wait_for(lambda: len(gate.waiting) == 1)
     controller.send("pm0.0", {"kind": "call", "n": 2})
     wait_for(lambda: procs["pm0.0"].held == 1)
     assert not inbox["pm0.0"].of_kind("call"), "n=2 waits for n=1"
     gate.open.set()
-    controller.send_many([("pm0.0", {"n": 3}), ("pm0.1", {"n": 3})], {"kind": "call"})
+    controller.send_many(["pm0.0", "pm0.1"], {"kind": "call", "n": 3})
     wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 3 and len(inbox["pm0.1"].of_kind("call")) == 2)
     assert [h["n"] for h in inbox["pm0.0"].of_kind("call")] == [1, 2, 3]
     assert [h["n"] for h in inbox["pm0.1"].of_kind("call")] == [1, 3]
@@ -150,13 +192,13 @@ def test_a_peers_message_passed_on_after_a_cast_waits_for_the_cast(cluster):
     actor the controller just spawned by a cast must not find it missing."""
     controller, link, procs, inbox, gate = cluster
     gate.open.clear()
-    controller.send_many([("pm0.0", {"n": 1}), ("pm0.1", {"n": 1})], {"kind": "spawn"})
+    controller.send_many(["pm0.0", "pm0.1"], {"kind": "spawn", "n": 1})
     wait_for(lambda: len(gate.waiting) == 1)
     procs["pm0.2"].send("pm0.0", {"kind": "call", "n": 2})  # through the controller's hub
     wait_for(lambda: procs["pm0.0"].held == 1)
     assert not inbox["pm0.0"].items
     gate.open.set()
-    controller.send_many([("pm0.0", {"n": 3}), ("pm0.1", {"n": 3})], {"kind": "call"})
+    controller.send_many(["pm0.0", "pm0.1"], {"kind": "call", "n": 3})
     wait_for(lambda: len(inbox["pm0.0"].items) == 3)
     assert [(h["kind"], h["n"], h["src"]) for h in inbox["pm0.0"].items] == [
         ("spawn", 1, "controller"), ("call", 2, "pm0.2#102"), ("call", 3, "controller")]
@@ -183,7 +225,7 @@ def test_the_controllers_messages_to_a_linked_proc_keep_their_order(cluster):
         if n % 3:
             controller.send("pm0.0", {"kind": "call", "n": n})
         else:
-            controller.send_many([("pm0.0", {"n": n}), ("pm0.1", {"n": n})], {"kind": "call"})
+            controller.send_many(["pm0.0", "pm0.1"], {"kind": "call", "n": n})
     wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 300 and len(inbox["pm0.1"].of_kind("call")) == 100)
     assert [h["n"] for h in inbox["pm0.0"].of_kind("call")] == list(range(300))
     assert [h["n"] for h in inbox["pm0.1"].of_kind("call")] == list(range(0, 300, 3))
@@ -212,7 +254,7 @@ def test_a_forged_message_routed_through_the_agent_is_dropped_by_the_proc(cluste
 def test_a_message_for_a_proc_that_is_not_linked_is_dropped_and_counted_by_the_agent(cluster):
     controller, link, procs, inbox, gate = cluster
     controller.route_via("pm0.9", "host0", 109)  # gone, or never linked
-    controller.send_many([("pm0.9", {"rank": 9}), ("pm0.1", {"rank": 1})], {"kind": "call"})
+    controller.send_many(["pm0.9", "pm0.1"], {"kind": "call"}, each={"rank": [9, 1]})
     wait_for(lambda: link.unreachable == 1)
     wait_for(lambda: len(inbox["pm0.1"].of_kind("call")) == 1)
     assert inbox["pm0.1"].of_kind("call")[0]["rank"] == 1, "the agent goes on with the others"

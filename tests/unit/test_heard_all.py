@@ -36,7 +36,7 @@ class StandIn:
     def send(self, dst: str, header: Any, *body: Any) -> None:
         pass
 
-    def send_many(self, items: Any, header: Any, *body: Any) -> None:
+    def send_many(self, dsts: Any, header: Any, *body: Any, **each: Any) -> None:
         pass
 
     def proc_failed(self, identity: str, error: Exception) -> None:
