@@ -287,7 +287,7 @@ class Channel:
         self._readers_version = 0
         self._route_frames: dict[str, bytes] = {}
         self._via: dict[str, _LinkedProc] = {}  # ROUTER: linked procs by route
-        self._via_version = 0  # ROUTER: changed whenever _via is, so a cast's plan is made again
+        self._plans_version = 0  # ROUTER: changed whenever _via or a fan threshold is, so casts' plans are made again
         self._plans: dict[tuple[str, ...], _FanPlan] = {}  # ROUTER: casts' plans by their destinations
         self._links: list[zmq.Socket[Any]] = []  # DEALER: its host agent's link (received from like the socket)
         self._link_backlog: set[zmq.Socket[Any]] = set()  # links left with messages waiting (see _receive_link)
@@ -321,8 +321,8 @@ class Channel:
         self.received: collections.Counter[str] = collections.Counter()  # kind -> verified messages handed on
         self.forwarded = 0  # messages passed on to another peer unread (ROUTER)
         self.sent_via_agents = 0  # ROUTER: messages sent through a host agent (a cast to N procs of a host: one)
-        self.fan_min_procs = FAN_MIN_PROCS
-        self.fan_min_hosts = FAN_MIN_HOSTS
+        self._fan_min_procs = FAN_MIN_PROCS
+        self._fan_min_hosts = FAN_MIN_HOSTS
         self.address: str | None = None
         self.muted_until = 0.0  # a partition fault: drop all traffic until this monotonic time
 
@@ -462,12 +462,13 @@ class Channel:
 
     def _fan_plan(self, dsts: Sequence[str]) -> "_FanPlan":
         """Which of ``dsts`` go one by one and which in one message per host agent, kept for the
-        next send to the same destinations until a proc is linked or unlinked (a few plans)."""
+        next send to the same destinations until a proc is linked or unlinked or a threshold
+        changes (a few plans)."""
         key = tuple(dsts)
         plan = self._plans.get(key)
-        if plan is not None and plan.version == self._via_version:
+        if plan is not None and plan.version == self._plans_version:
             return plan
-        version = self._via_version
+        version = self._plans_version
         groups: dict[bytes, tuple[list[_LinkedProc], list[int]]] = {}
         straight: list[int] = []
         via = self._via
@@ -495,6 +496,26 @@ class Channel:
         self._plans[key] = plan
         return plan
 
+    @property
+    def fan_min_procs(self) -> int:
+        """The fewest procs a cast must be for to go through host agents (:data:`FAN_MIN_PROCS`)."""
+        return self._fan_min_procs
+
+    @fan_min_procs.setter
+    def fan_min_procs(self, procs: int) -> None:
+        self._fan_min_procs = procs
+        self._plans_version += 1
+
+    @property
+    def fan_min_hosts(self) -> int:
+        """The fewest hosts a cast must span to go through their agents (:data:`FAN_MIN_HOSTS`)."""
+        return self._fan_min_hosts
+
+    @fan_min_hosts.setter
+    def fan_min_hosts(self, hosts: int) -> None:
+        self._fan_min_hosts = hosts
+        self._plans_version += 1
+
     def route_via(self, dst: str, agent: str, incarnation: int) -> None:
         """``dst``'s incarnation ``incarnation`` (its pid) is linked to host ``agent``: casts to it
         and its host's other procs go through the agent, and every message for it is numbered
@@ -502,7 +523,7 @@ class Channel:
         route = route_id(dst)
         self._forget_waiting(self._via.get(route))
         self._via[route] = _LinkedProc(route, route_id(agent).encode(), incarnation)
-        self._via_version += 1
+        self._plans_version += 1
 
     def routed_via(self, dst: str) -> str | None:
         """The host agent that casts to ``dst`` go through, or None (not linked)."""
@@ -517,7 +538,7 @@ class Channel:
     def route_direct(self, dst: str) -> None:
         """``dst``'s new incarnation is not linked: every message straight to it, unnumbered."""
         self._forget_waiting(self._via.pop(route_id(dst), None))
-        self._via_version += 1
+        self._plans_version += 1
 
     def _forget_waiting(self, linked: _LinkedProc | None) -> None:
         """An incarnation is replaced (it is gone): drop what it sent that waited for replies its

@@ -128,7 +128,8 @@ def test_a_cast_to_the_procs_of_a_host_is_one_message_through_its_agent(cluster)
 
 def test_a_cast_to_the_same_procs_goes_the_way_their_links_say_now(cluster):
     """The way a cast takes is planned once per list of destinations and made again when a
-    proc is linked or unlinked: the same cast goes straight, then through the agent."""
+    proc is linked or unlinked or a threshold changes: the same cast goes straight, through the
+    agent, straight again."""
     controller, link, procs, inbox, gate = cluster
     dsts = ["pm0.0", "pm0.1"]
     controller.route_direct("pm0.1")  # as if its hello had not said it was linked
@@ -139,12 +140,17 @@ def test_a_cast_to_the_same_procs_goes_the_way_their_links_say_now(cluster):
     controller.send_many(dsts, {"kind": "call", "n": 2})
     wait_for(lambda: all(len(inbox[d].of_kind("call")) == 2 for d in dsts))
     assert controller.sent_via_agents == 1, "both linked now: one message through the agent"
-    controller.route_direct("pm0.1")
+    controller.fan_min_hosts = 2
     controller.send_many(dsts, {"kind": "call", "n": 3})
     wait_for(lambda: all(len(inbox[d].of_kind("call")) == 3 for d in dsts))
+    assert controller.sent_via_agents == 1, "one host is fewer than the threshold now: straight"
+    controller.fan_min_hosts = 1
+    controller.route_direct("pm0.1")
+    controller.send_many(dsts, {"kind": "call", "n": 4})
+    wait_for(lambda: all(len(inbox[d].of_kind("call")) == 4 for d in dsts))
     assert controller.sent_via_agents == 1
     for dst in dsts:
-        assert [h["n"] for h in inbox[dst].of_kind("call")] == [1, 2, 3]
+        assert [h["n"] for h in inbox[dst].of_kind("call")] == [1, 2, 3, 4]
         assert not procs[dst].dropped, procs[dst].dropped
 
 
