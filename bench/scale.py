@@ -15,8 +15,8 @@ no fork server) with a trivial actor, then:
   of this process: the IO thread that takes heartbeats, the supervisor, and this idle main
   thread) over ``--idle-s`` seconds while the procs sit idle, as % of one core; with the
   heartbeats sent in that time (4 per proc per second), the CPU per heartbeat; the messages the
-  controller received per second, and the host agent's CPU (``/proc/PID/stat``: where the
-  relay's work goes);
+  controller received per second, the host agent's CPU (``/proc/PID/stat``: where the
+  relay's work goes) and the procs' own, all of them together (what an idle mesh costs the machine);
 - call to all: ``actors.ping.call().get()`` round trips, p50/p95 over ``--calls``;
 - SIGKILL seen: a rank's process killed (by pid) to its ``proc_exited`` event, one sample;
 - SIGSTOP seen: another rank stopped (by pid) to its ``proc_hung`` event, one sample (the hang
@@ -117,10 +117,12 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
         time.sleep(2.0)  # the spawn's after-effects (imports finishing, first heartbeats) settle
         heartbeats = n * idle_s / config.heartbeat_interval_s
         agent = ctrl.hosts[LOCAL].pid
+        pids = [ctrl.proc_record(procs.name, rank).pid for rank in range(n)]
         received0 = sum(ctrl.channel.received.values())
-        cpu0, agent0, w0 = _cpu_s(), _proc_cpu_s(agent), time.perf_counter()
+        cpu0, agent0, procs0, w0 = _cpu_s(), _proc_cpu_s(agent), sum(map(_proc_cpu_s, pids)), time.perf_counter()
         time.sleep(idle_s)
         cpu, agent_cpu, wall = _cpu_s() - cpu0, _proc_cpu_s(agent) - agent0, time.perf_counter() - w0
+        procs_cpu = sum(map(_proc_cpu_s, pids)) - procs0
         messages = sum(ctrl.channel.received.values()) - received0
         rtts = []
         for _ in range(calls):
@@ -145,7 +147,7 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
             "spawn_to_first_reply_s": spawn_s, "controller_cpu_idle_pct": 100 * cpu / wall,
             "cpu_per_heartbeat_us": 1e6 * cpu / heartbeats if heartbeats else float("nan"),
             "controller_messages_per_s_idle": messages / wall, "agent_cpu_idle_pct": 100 * agent_cpu / wall,
-            "sigstop_seen_s": hang_s,
+            "procs_cpu_idle_pct": 100 * procs_cpu / wall, "sigstop_seen_s": hang_s,
             "call_all_p50_ms": 1e3 * statistics.median(rtts), "call_all_p95_ms": 1e3 * _pct(rtts, 0.95),
             "sigkill_seen_ms": 1e3 * kill_s}
 
@@ -433,10 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows, "simulated": simulated, "fits": fits}
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
     print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
-          f"{'agent CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
+          f"{'agent CPU %':>12} {'procs CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
     for r in rows:
         print(f"{r['heartbeats']:>10} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
-              f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['call_all_p50_ms']:>16.2f} "
+              f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['procs_cpu_idle_pct']:>12.1f} "
+              f"{r['call_all_p50_ms']:>16.2f} "
               f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
         print(f"\nsimulated hosts (heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
