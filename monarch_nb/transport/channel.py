@@ -13,7 +13,8 @@ lead themselves, so the reply or the call wakes the very thread that needs it: o
 machine each wake-up of another thread costs about as much as a whole ZeroMQ hop. The IO thread
 leads when no one else does: it yields to a waiting thread at once, and takes the lease back
 when it has been free for :data:`TAKEOVER_S` (an endpoint is running), so control messages and
-heartbeat timers are never held up longer than that. Handlers therefore run on whichever thread
+heartbeat timers are never held up much longer than that (it looks every :data:`_IO_RECHECK_S`,
+and a leader that had kept the lease :data:`_IO_IDLE_WAIT_S`, an idle actor, wakes it by letting go). Handlers therefore run on whichever thread
 leads, one at a time.
 
 ZMQ_FD is edge-triggered and a send may consume its edge, so after every send the sender checks
