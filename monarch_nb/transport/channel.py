@@ -13,9 +13,9 @@ lead themselves, so the reply or the call wakes the very thread that needs it: o
 machine each wake-up of another thread costs about as much as a whole ZeroMQ hop. The IO thread
 leads when no one else does: it yields to a waiting thread at once, and takes the lease back
 when it has been free for :data:`TAKEOVER_S` (an endpoint is running), so control messages and
-heartbeat timers are never held up much longer than that (it looks every :data:`_IO_RECHECK_S`,
-and a leader that had kept the lease :data:`_IO_IDLE_WAIT_S`, an idle actor, wakes it by letting go). Handlers therefore run on whichever thread
-leads, one at a time.
+heartbeat timers are never held up much longer than that (it looks every
+:data:`_IO_RECHECK_S`, and a leader that had kept the lease :data:`_IO_IDLE_WAIT_S`, an idle
+actor, wakes it by letting go). Handlers therefore run on whichever thread leads, one at a time.
 
 ZMQ_FD is edge-triggered and a send may consume its edge, so after every send the sender checks
 ZMQ_EVENTS and wakes the leader if input is pending. Received messages are verified
@@ -31,8 +31,9 @@ Casts through host agents (:meth:`Channel.send_many`): a message for several pro
 the same host agent (:meth:`Channel.route_via`) is sent once, to the agent (a first frame
 ``@ROUTE,ROUTE...`` that the agent reads; the signed message passed on unread, see
 :mod:`monarch_nb.runtime.proc_link`); the header's ``fan`` lists the routes (``to``) and each
-field that differs by proc as a column in the same order. A message for one proc still goes straight to it (no extra hop on a ``call_one``), as
-does a message another peer sends it through the controller. Two paths must not change the order
+field that differs by proc as a column in the same order. A message for one proc still goes
+straight to it (no extra hop on a ``call_one``), as does a message another peer sends it through
+the controller. Two paths must not change the order
 in which the controller's socket sends a proc its messages (the controller's own and those it
 passes on from peers: before the link they shared one pipe, and code relies on that, e.g. a
 spawn the controller sent before a peer's call to the new actor), so the controller numbers every
@@ -482,13 +483,15 @@ class Channel:
         groups: dict[bytes, tuple[list[_LinkedProc], list[int]]] = {}
         straight: list[int] = []
         via = self._via
+        seen: set[str] = set()
         for index, dst in enumerate(dsts):
             linked = via.get(dst) if via else None
             if linked is None and via and "#" in dst:
                 linked = via.get(route_id(dst))
-            if linked is None:
+            if linked is None or linked.route in seen:  # a proc named twice gets its second straight
                 straight.append(index)
             else:
+                seen.add(linked.route)
                 members, indices = groups.setdefault(linked.agent, ([], []))
                 members.append(linked)
                 indices.append(index)

@@ -154,6 +154,17 @@ def test_a_cast_to_the_same_procs_goes_the_way_their_links_say_now(cluster):
         assert not procs[dst].dropped, procs[dst].dropped
 
 
+def test_a_proc_named_twice_in_a_cast_gets_it_twice_and_nothing_waits(cluster):
+    """Its second copy goes straight (one fan entry a proc), numbered after the first."""
+    controller, link, procs, inbox, gate = cluster
+    controller.send_many(["pm0.0", "pm0.1", "pm0.0"], {"kind": "call"}, each={"rank": [0, 1, 2]})
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 2 and len(inbox["pm0.1"].of_kind("call")) == 1)
+    assert sorted(h["rank"] for h in inbox["pm0.0"].of_kind("call")) == [0, 2]
+    controller.send("pm0.0", {"kind": "call", "rank": 3})
+    wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 3)
+    assert procs["pm0.0"].held == 0 and not procs["pm0.0"].dropped
+
+
 def test_a_signed_cast_whose_fan_does_not_add_up_is_dropped_and_counted(cluster, tmp_path):
     """A column shorter than the routes (a bug in a sender holding the key): each proc drops it
     as bad, and the next cast still arrives."""
