@@ -190,11 +190,9 @@ class Messenger:
             header["gth"] = 1  # the future takes every reply at once: their host agents may gather them
         with self._lock:
             self._pending[cid] = pending
-        live = None if even_if_failed else self._live(targets)
-        if live is not None:
-            for index in sorted(set(range(len(targets))) - set(live)):
-                target = targets[index]
-                self._complete(cid, index, error=self._proc_error(pending, target, self._failed[route_id(target.proc)]))
+        live, failures = (None, {}) if even_if_failed else self._split_failed(targets)
+        for index, failure in failures.items():
+            self._complete(cid, index, error=self._proc_error(pending, targets[index], failure))
         self._deliver_to(targets, live, header, body, buffers, idx=True,
                          mi=message_extent[1] if message_extent is not None else None)
         if not targets and future is not None:
@@ -215,10 +213,23 @@ class Messenger:
 
     def _live(self, targets: Sequence[Target]) -> list[int] | None:
         """The indices of ``targets`` whose procs have not failed; None: all of them."""
+        return self._split_failed(targets)[0]
+
+    def _split_failed(self, targets: Sequence[Target]) -> tuple[list[int] | None, dict[int, SupervisionError]]:
+        """``(live indices or None for all, {index: its proc's failure})`` of ``targets``, read
+        at once (a proc may recover on another thread meanwhile)."""
         failed = self._failed
         if not failed:
-            return None
-        return [index for index, target in enumerate(targets) if route_id(target.proc) not in failed]
+            return None, {}
+        live: list[int] = []
+        failures: dict[int, SupervisionError] = {}
+        for index, target in enumerate(targets):
+            failure = failed.get(route_id(target.proc))
+            if failure is None:
+                live.append(index)
+            else:
+                failures[index] = failure
+        return live, failures
 
     def _deliver_to(self, targets: Sequence[Target], chosen: list[int] | None, header: CallHeader, body: bytes,
                     buffers: list[memoryview], *, idx: bool = False, mi: Sequence[int] | None = None) -> None:

@@ -832,6 +832,8 @@ class Channel:
             own = self._own_route.decode()
             try:
                 routes = fan["to"]
+                if type(routes) is not list:
+                    raise TypeError("fan's routes are not a list")
                 index = routes.index(own)
                 fields = {name: column[index] for name, column in fan.items() if name != "to"}
             except ValueError:

@@ -166,8 +166,8 @@ def test_a_proc_named_twice_in_a_cast_gets_it_twice_and_nothing_waits(cluster):
 
 
 def test_a_signed_cast_whose_fan_does_not_add_up_is_dropped_and_counted(cluster, tmp_path):
-    """A column shorter than the routes (a bug in a sender holding the key): each proc drops it
-    as bad, and the next cast still arrives."""
+    """A column shorter than the routes, or routes that are not a list (a bug in a sender
+    holding the key): the proc drops it as bad, and the next cast still arrives."""
     controller, link, procs, inbox, gate = cluster
     sender = zmq.Context.instance().socket(zmq.DEALER)
     sender.setsockopt(zmq.LINGER, 0)
@@ -178,6 +178,10 @@ def test_a_signed_cast_whose_fan_does_not_add_up_is_dropped_and_counted(cluster,
                                    "fan": {"to": ["pm0.0", "pm0.1"], "rank": [0]}})
         sender.send_multipart([b"host0", b"@pm0.0,pm0.1", *bad])
         wait_for(lambda: procs["pm0.1"].dropped["bad"] == 1)
+        as_text = encode(Signer(KEY), {"kind": "call", "src": "buggy", "dst": "host0", "seq": 2,  # found as a substring
+                                       "fan": {"to": "pm0.10,pm0.1", "rank": "ab"}})
+        sender.send_multipart([b"host0", b"@pm0.1", *as_text])
+        wait_for(lambda: procs["pm0.1"].dropped["bad"] == 2)
     finally:
         sender.close()
     assert procs["pm0.0"].dropped["bad"] == 0 and inbox["pm0.0"].of_kind("call")[0]["rank"] == 0, "its entry was there"
