@@ -51,7 +51,7 @@ from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
 from monarch_nb.runtime.relay import AgentRelay, RelayMember  # noqa: E402
 from monarch_nb.runtime.reply_gather import ReplyGather  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
-from monarch_nb.transport.wire import BadMessage, Signer, decode, encode  # noqa: E402
+from monarch_nb.transport.wire import BadMessage, Signer, decode, encode, fields_at  # noqa: E402
 
 _NONE, _ZERO = dumps(None)[0], dumps(0)[0]  # what a constructor and the ping endpoint return
 
@@ -128,7 +128,10 @@ class SimProcs:
         fan = header.pop("fan", None)
         routes = bytes(frames[0])[1:].decode().split(",")
         for index, route in enumerate(routes):  # the routing frame and the fan's "to" list them in the same order
-            own = header if fan is None else {**header, **{name: column[index] for name, column in fan.items() if name != "to"}}
+            own = header
+            if fan is not None:
+                own = {**header, **fields_at(fan, index)}
+                del own["to"]
             self.answer(route, own, gather if len(routes) > 1 else None, len(routes))
 
     def answer(self, identity: str, header: dict, gather: ReplyGather | None = None, expected: int = 1) -> None:

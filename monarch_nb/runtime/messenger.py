@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from ..actor.backend import Target
 from ..actor.future import Future
@@ -28,7 +28,7 @@ from ..actor.value_mesh import ValueMesh
 from ..errors import ActorError, SupervisionError, error_from_reply
 from ..transport.channel import Channel
 from ..transport.serialization import SerializationError, dumps, loads
-from ..transport.wire import route_id
+from ..transport.wire import columns_at, fields_at, route_id
 from .protocol import CallHeader, ControlHeader, Handler, Kind, PortHeader, RepliesHeader, ReplyHeader, SpawnFlags
 
 __all__ = ["Messenger"]
@@ -245,7 +245,7 @@ class Messenger:
         self._deliver_many([target.proc for target in targets], header, body, buffers, each)
 
     def _deliver_many(self, dsts: list[str], header: CallHeader, body: bytes, buffers: list[memoryview],
-                      each: dict[str, Sequence[Any]]) -> None:
+                      each: Mapping[str, Sequence[Any]]) -> None:
         """Deliver ``header`` plus each destination's own fields (``each[name][i]`` is
         ``dsts[i]``'s) to each of ``dsts``: local actors directly, the rest in one
         :meth:`Channel.send_many` (one message per host agent where the procs are linked to theirs)."""
@@ -254,15 +254,13 @@ class Messenger:
             remote = []
             for index, dst in enumerate(dsts):
                 if dst in local:
-                    self._deliver(dst, cast(CallHeader, {**header, **{name: column[index] for name, column in each.items()}}),
-                                  body, buffers)
+                    self._deliver(dst, cast(CallHeader, {**header, **fields_at(each, index)}), body, buffers)
                 else:
                     remote.append(index)
             dsts = [dsts[index] for index in remote]
-            each = {name: [column[index] for index in remote] for name, column in each.items()}
+            each = columns_at(each, remote)
         if len(dsts) == 1:
-            self.channel.send(dsts[0], cast(CallHeader, {**header, **{name: column[0] for name, column in each.items()}}),
-                              body, buffers)
+            self.channel.send(dsts[0], cast(CallHeader, {**header, **fields_at(each, 0)}), body, buffers)
         elif dsts:
             self.channel.send_many(dsts, header, body, buffers, each)
 

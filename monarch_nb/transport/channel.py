@@ -33,10 +33,10 @@ the same host agent (:meth:`Channel.route_via`) is sent once, to the agent (a fi
 :mod:`monarch_nb.runtime.proc_link`); the header's ``fan`` lists the routes (``to``) and each
 field that differs by proc as a column in the same order. A message for one proc still goes
 straight to it (no extra hop on a ``call_one``), as does a message another peer sends it through
-the controller. Two paths must not change the order
-in which the controller's socket sends a proc its messages (the controller's own and those it
-passes on from peers: before the link they shared one pipe, and code relies on that, e.g. a
-spawn the controller sent before a peer's call to the new actor), so the controller numbers every
+the controller. Two paths must not change the order in which the controller's socket sends a
+proc its messages (the controller's own and those it passes on from peers: before the link they
+shared one pipe, and code relies on that, e.g. a spawn the controller sent before a peer's call to
+the new actor), so the controller numbers every
 message for a linked proc, per proc from 1, with the proc's incarnation (``pseq``): its own in
 their signed headers (a cast in its ``fan`` fields), a peer's message it passes on in front of
 the envelope, in the same frame (``^INC:N|``; the hub does not re-sign what it passes on, and a
@@ -68,13 +68,13 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import zmq
 
 from . import shm
 from .keys import Trust
-from .wire import INLINE_BODY_MAX, MAGIC, BadMessage, Header, ReplayGuard, Signer, decode, encode, route_id
+from .wire import INLINE_BODY_MAX, MAGIC, BadMessage, Header, ReplayGuard, Signer, columns_at, decode, encode, fields_at, route_id
 
 __all__ = ["Channel", "route_id"]
 
@@ -442,7 +442,7 @@ class Channel:
             self._send_locked(frames, self._links[0])
 
     def send_many(self, dsts: Sequence[str], header: Header, body: bytes = b"", buffers: Sequence[Any] = (),
-                  each: dict[str, Sequence[Any]] | None = None) -> None:
+                  each: Mapping[str, Sequence[Any]] | None = None) -> None:
         """Send ``header`` with ``body`` to each of ``dsts``, as :meth:`send` would one by one;
         ``each``: fields that differ by destination, as columns (``each[name][i]`` is
         ``dsts[i]``'s ``name``). The destinations reached through the same host agent get one
@@ -454,13 +454,10 @@ class Channel:
         plan = self._fan_plan(dsts)
         columns = each or {}
         for index in plan.straight:
-            self.send(dsts[index], {**header, **{name: column[index] for name, column in columns.items()}},  # type: ignore[typeddict-item]  # a kind's own fields
-                      body, buffers)
+            self.send(dsts[index], {**header, **fields_at(columns, index)}, body, buffers)  # type: ignore[typeddict-item]  # a kind's own fields
         for group in plan.groups:
             fan: Header = {**header, "src": self.identity, "dst": group.dst}
-            entries: dict[str, list[Any]] = {"to": group.routes}
-            for name, column in columns.items():
-                entries[name] = [column[index] for index in group.indices]
+            entries: dict[str, list[Any]] = {"to": group.routes, **columns_at(columns, group.indices)}
             with self._lock:
                 self._seq += 1
                 fan["seq"] = self._seq
@@ -471,7 +468,7 @@ class Channel:
                 frames[:0] = [group.agent, group.routing]
                 self._send_locked(frames)
 
-    def _fan_plan(self, dsts: Sequence[str]) -> "_FanPlan":
+    def _fan_plan(self, dsts: Sequence[str]) -> _FanPlan:
         """Which of ``dsts`` go one by one and which in one message per host agent, kept for the
         next send to the same destinations until a proc is linked or unlinked or a threshold
         changes (a few plans)."""
@@ -834,8 +831,8 @@ class Channel:
                 routes = fan["to"]
                 if type(routes) is not list:
                     raise TypeError("fan's routes are not a list")
-                index = routes.index(own)
-                fields = {name: column[index] for name, column in fan.items() if name != "to"}
+                fields = fields_at(fan, routes.index(own))
+                del fields["to"]
             except ValueError:
                 self.dropped["not ours"] += 1
                 return

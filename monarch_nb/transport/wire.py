@@ -34,9 +34,10 @@ import hashlib
 import hmac
 import json
 import marshal
-from typing import Any, Sequence, TypedDict, cast
+from typing import Any, Mapping, Sequence, TypedDict, cast
 
-__all__ = ["route_id", "BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX", "Header"]
+__all__ = ["route_id", "BadMessage", "MAGIC", "Signer", "ReplayGuard", "encode", "decode", "INLINE_BODY_MAX", "Header",
+           "fields_at", "columns_at"]
 
 MAGIC = b"MNB2"
 _DIGEST = hashlib.sha256
@@ -82,6 +83,18 @@ def _encode_header(header: Header) -> bytes:
 def route_id(identity: str) -> str:
     """The routing identity of ``identity``: its part before any ``#incarnation`` (``"pm0.3#4211"``)."""
     return identity.split("#", 1)[0]
+
+
+def fields_at(columns: Mapping[str, Sequence[Any]], index: int) -> dict[str, Any]:
+    """The fields of one destination of a message to several, its fields given as columns
+    (``columns[name][index]`` each: a cast's ``fan``). Raises IndexError, KeyError or TypeError
+    for columns that do not hold ``index``."""
+    return {name: column[index] for name, column in columns.items()}
+
+
+def columns_at(columns: Mapping[str, Sequence[Any]], indices: Sequence[int]) -> dict[str, list[Any]]:
+    """The columns of the destinations at ``indices`` only, in that order."""
+    return {name: [column[index] for index in indices] for name, column in columns.items()}
 
 
 class BadMessage(ValueError):
