@@ -102,6 +102,20 @@ def one_host(tmp_path, controller_name: str = "controller") -> Iterator[tuple[Ch
         link.close()
 
 
+@contextlib.contextmanager
+def hub_peer(tmp_path, identity: bytes) -> Iterator[zmq.Socket]:
+    """A bare DEALER connected to :func:`one_host`'s controller as ``identity``: sends frames of
+    its choosing (a forged or buggy message) through the hub. Closed on exit."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(f"ipc://{tmp_path}/ctl")
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """:func:`one_host`, the agent passing casts on through a :class:`Gate`, casts to 2 procs of
@@ -169,11 +183,7 @@ def test_a_signed_cast_whose_fan_does_not_add_up_is_dropped_and_counted(cluster,
     """A column shorter than the routes, or routes that are not a list (a bug in a sender
     holding the key): the proc drops it as bad, and the next cast still arrives."""
     controller, link, procs, inbox, gate = cluster
-    sender = zmq.Context.instance().socket(zmq.DEALER)
-    sender.setsockopt(zmq.LINGER, 0)
-    sender.setsockopt(zmq.IDENTITY, b"buggy")
-    sender.connect(f"ipc://{tmp_path}/ctl")
-    try:
+    with hub_peer(tmp_path, b"buggy") as sender:
         bad = encode(Signer(KEY), {"kind": "call", "src": "buggy", "dst": "host0", "seq": 1,
                                    "fan": {"to": ["pm0.0", "pm0.1"], "rank": [0]}})
         sender.send_multipart([b"host0", b"@pm0.0,pm0.1", *bad])
@@ -182,8 +192,6 @@ def test_a_signed_cast_whose_fan_does_not_add_up_is_dropped_and_counted(cluster,
                                        "fan": {"to": "pm0.10,pm0.1", "rank": "ab"}})
         sender.send_multipart([b"host0", b"@pm0.1", *as_text])
         wait_for(lambda: procs["pm0.1"].dropped["bad"] == 2)
-    finally:
-        sender.close()
     assert procs["pm0.0"].dropped["bad"] == 0 and inbox["pm0.0"].of_kind("call")[0]["rank"] == 0, "its entry was there"
     controller.send_many(["pm0.0", "pm0.1"], {"kind": "call", "n": 2}, each={"rank": [0, 1]})
     wait_for(lambda: [h.get("n") for h in inbox["pm0.1"].of_kind("call")] == [2])
@@ -257,16 +265,10 @@ def test_a_forged_message_routed_through_the_agent_is_dropped_by_the_proc(cluste
     """Anyone who reaches the controller's hub can have a message routed through an agent; the
     proc verifies it as any other (the agent reads only the routing frame)."""
     controller, link, procs, inbox, gate = cluster
-    forger = zmq.Context.instance().socket(zmq.DEALER)
-    forger.setsockopt(zmq.LINGER, 0)
-    forger.setsockopt(zmq.IDENTITY, b"forger")
-    forger.connect(f"ipc://{tmp_path}/ctl")
-    try:
+    with hub_peer(tmp_path, b"forger") as forger:
         forged = encode(Signer(b"another key of 32 bytes........."), {"kind": "stop", "src": "controller", "dst": "pm0.0", "seq": 10**9})
         forger.send_multipart([b"host0", b"@pm0.0", *forged])
         wait_for(lambda: procs["pm0.0"].dropped["bad"] == 1)
-    finally:
-        forger.close()
     assert not inbox["pm0.0"].of_kind("stop")
     controller.send("pm0.0", {"kind": "call"})  # and the path still works
     wait_for(lambda: len(inbox["pm0.0"].of_kind("call")) == 1)
