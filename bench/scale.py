@@ -17,7 +17,10 @@ no fork server) with a trivial actor, then:
   heartbeats sent in that time (4 per proc per second), the CPU per heartbeat; the messages the
   controller received per second, the host agent's CPU (``/proc/PID/stat``: where the
   relay's work goes) and the procs' own, all of them together (what an idle mesh costs the machine);
-- call to all: ``actors.ping.call().get()`` round trips, p50/p95 over ``--calls``;
+- call to all: ``actors.ping.call().get()`` round trips, p50/p95 over ``--calls``, and the CPU
+  they took: the controller's (``getrusage``) and the procs' (every thread, ``schedstat``) per call;
+  beside it the floor: the same call to all over plain pyzmq between as many bare Python
+  processes (``raw_call_all_floor``: no signing, pickling or actor);
 - SIGKILL seen: a rank's process killed (by pid) to its ``proc_exited`` event, one sample;
 - SIGSTOP seen: another rank stopped (by pid) to its ``proc_hung`` event, one sample (the hang
   timeout, 2 s by default, plus the detection delay).
@@ -59,6 +62,7 @@ PR #4875's; ipyparallel's broadcast is in bench/actor_latency.py). Prints tables
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -101,6 +105,69 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _proc_cpu_ns(pid: int) -> int:
+    """CPU nanoseconds of process ``pid``, every thread (``/proc/PID/task/*/schedstat``: exact,
+    where /proc/PID/stat counts 10 ms ticks, too coarse for a proc's share of a few calls)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            pass
+    return total
+
+
+RAW_WORKER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.IDENTITY, sys.argv[2].encode())
+sock.connect(sys.argv[1])
+sock.send(b"ready")
+while (message := sock.recv()) != b"quit":
+    sock.send(message)
+"""
+
+
+def raw_call_all_floor(n: int, calls: int) -> float:
+    """p50 seconds of a call to all over plain pyzmq, the floor under ``measure``'s: ``n`` Python
+    processes, each a DEALER that sends back what it receives, and a ROUTER here sending each a
+    200-byte message and taking the ``n`` answers (ipc, as a proc's link to a controller on its
+    host). No signing, no pickling, no actor: what the processes and ZeroMQ alone cost on this machine."""
+    import zmq
+    address = f"ipc://{tempfile.gettempdir()}/monarch_nb-bench-floor-{os.getpid()}"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(address)
+    workers = [subprocess.Popen([sys.executable, "-c", RAW_WORKER, address, f"w{i}"]) for i in range(n)]
+    try:
+        if not router.poll(120_000):
+            raise RuntimeError("the raw pyzmq workers did not start within 120 s")
+        peers = [router.recv_multipart()[0]]
+        while len(peers) < n and router.poll(120_000):
+            peers.append(router.recv_multipart()[0])
+        message, samples = b"x" * 200, []
+        for _ in range(calls + 5):
+            t0 = time.perf_counter()
+            for peer in peers:
+                router.send_multipart([peer, message])
+            for _ in peers:
+                router.recv_multipart()
+            samples.append(time.perf_counter() - t0)
+        for peer in peers:
+            router.send_multipart([peer, b"quit"])
+    finally:
+        for worker in workers:
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        router.close(linger=0)
+        with contextlib.suppress(OSError):
+            os.unlink(address.removeprefix("ipc://"))
+    return statistics.median(samples[5:])
+
+
 def _pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -125,10 +192,12 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
         procs_cpu = sum(map(_proc_cpu_s, pids)) - procs0
         messages = sum(ctrl.channel.received.values()) - received0
         rtts = []
+        cpu0, procs0 = _cpu_s(), sum(map(_proc_cpu_ns, pids))
         for _ in range(calls):
             c0 = time.perf_counter()
             actors.ping.call().get(timeout=60)
             rtts.append(time.perf_counter() - c0)
+        call_cpu, procs_call_cpu = _cpu_s() - cpu0, (sum(map(_proc_cpu_ns, pids)) - procs0) / 1e9
         victim = ctrl.proc_record(procs.name, n - 1)
         since = ctrl.events.next_seq
         k0 = time.perf_counter()
@@ -149,6 +218,7 @@ def measure(n: int, calls: int, idle_s: float) -> dict:
             "controller_messages_per_s_idle": messages / wall, "agent_cpu_idle_pct": 100 * agent_cpu / wall,
             "procs_cpu_idle_pct": 100 * procs_cpu / wall, "sigstop_seen_s": hang_s,
             "call_all_p50_ms": 1e3 * statistics.median(rtts), "call_all_p95_ms": 1e3 * _pct(rtts, 0.95),
+            "controller_cpu_per_call_all_ms": 1e3 * call_cpu / calls, "procs_cpu_per_call_all_ms": 1e3 * procs_call_cpu / calls,
             "sigkill_seen_ms": 1e3 * kill_s}
 
 
@@ -418,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     modes = ("agents", "direct") if args.heartbeats == "both" else (args.heartbeats,)
     rows = [row for mode in modes for row in _run_mode(mode, args)] if args.procs else []
+    floors = {n: raw_call_all_floor(n, args.calls) for n in sorted({row["procs"] for row in rows})}
+    for row in rows:
+        row["raw_zmq_call_all_p50_ms"] = 1e3 * floors[row["procs"]]
     # each size straight (every proc's messages, every host's heartbeats to the controller), through
     # the agents, and from relay_min_hosts hosts on with the agents' heartbeats through relays too
     paths = {"direct": (False, False), "agents": (True, False), "tree": (True, True)}
@@ -435,12 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows, "simulated": simulated, "fits": fits}
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
     print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
-          f"{'agent CPU %':>12} {'procs CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
+          f"{'agent CPU %':>12} {'procs CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'raw pyzmq ms':>13} "
+          f"{'CPU/call: ctrl ms':>18} {'procs ms':>9} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
     for r in rows:
         print(f"{r['heartbeats']:>10} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
               f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['procs_cpu_idle_pct']:>12.1f} "
               f"{r['call_all_p50_ms']:>16.2f} "
-              f"{r['call_all_p95_ms']:>8.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
+              f"{r['call_all_p95_ms']:>8.2f} {r['raw_zmq_call_all_p50_ms']:>13.2f} {r['controller_cpu_per_call_all_ms']:>18.2f} "
+              f"{r['procs_cpu_per_call_all_ms']:>9.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
         print(f"\nsimulated hosts (heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
               f"{'ctrl CPU idle %':>16} "
