@@ -235,6 +235,14 @@ class Messenger:
                     buffers: list[memoryview], *, idx: bool = False, mi: Sequence[int] | None = None) -> None:
         """Deliver ``header`` to ``targets[i]`` for each ``i`` of ``chosen`` (None: all), with
         its ``rank``, its ``idx`` (``i``) when ``idx``, and ``mi[i]`` when ``mi`` is given."""
+        if chosen is None and len(targets) == 1:  # a call_one: its fields set at once (``header`` is this call's own)
+            header["rank"] = targets[0].rank
+            if idx:
+                header["idx"] = 0
+            if mi is not None:
+                header["mi"] = mi[0]
+            self._deliver(targets[0].proc, header, body, buffers)
+            return
         if chosen is not None:
             targets = [targets[index] for index in chosen]
         each: dict[str, Sequence[Any]] = {"rank": [target.rank for target in targets]}
