@@ -55,6 +55,10 @@ def error_info(exc: BaseException, message: str | None = None) -> dict:
     return info
 
 
+#: The most points of message slices an actor keeps (a slice's ranks get the same few each call).
+_MAX_POINTS = 256
+
+
 def _not_empty(mailbox: queue.SimpleQueue) -> Callable[[], bool]:
     return lambda: not mailbox.empty()
 
@@ -111,6 +115,7 @@ class ActorRunner:
         self._loop_ready = threading.Event()
         self._leading = False
         self._own_context: Context | None = None
+        self._points: dict[tuple, Point] = {}  # a slice's points by (dims, sizes, index): a call_one to a slice each time
         self.thread = threading.Thread(target=self._run_async if asynchronous else self._run_sync,
                                        name=f"actor-{name}", daemon=True)
         self.thread.start()
@@ -370,7 +375,13 @@ class ActorRunner:
         mx = header.get("mx")
         if mx is None:
             return self.instance_ctx.rank if self.instance_ctx is not None else Point({}, 0, Extent({}))
-        return Extent(dict(zip(mx[0], mx[1]))).point(header.get("mi", 0))
+        key = (len(mx[0]), *mx[0], *mx[1], header.get("mi", 0))
+        point = self._points.get(key)
+        if point is None:
+            if len(self._points) >= _MAX_POINTS:
+                self._points.clear()
+            point = self._points[key] = Extent(dict(zip(mx[0], mx[1]))).point(key[-1])
+        return point
 
     def _prepare(self, header: CallHeader, body: Any, buffers: list) -> tuple:
         if self.instance is None:

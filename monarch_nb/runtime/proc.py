@@ -121,7 +121,7 @@ class Proc:
         self.extent = Extent(env.extent)
         self.channel = Channel(
             f"{identity}#{os.getpid()}", Signer(bytes.fromhex(env.key_hex)), self._on_message,
-            shm_run_id=env.run_id or None,
+            shm_run_id=env.run_id or None, hub=CONTROLLER,
         )
         self.messenger = Messenger(self.channel)
         self.host = ActorHost(identity, self.mesh_name, self.rank, self.extent, self.channel.send, self.messenger,

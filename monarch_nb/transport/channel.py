@@ -268,10 +268,14 @@ class Channel:
         on_message: ``f(header, body, buffers, frames)`` run on the IO thread for each verified
             message. It must not block.
         router: bind a ROUTER (the controller) instead of connecting a DEALER.
+        hub: a DEALER's: the identity of the ROUTER it connects to. A message to it goes without
+            a destination frame (one frame less to send and to read on every message to the
+            controller); messages to other peers name theirs, for the hub to forward.
     """
 
     def __init__(
-        self, identity: str, signer: Signer, on_message: MessageHandler, *, router: bool = False, shm_run_id: str | None = None
+        self, identity: str, signer: Signer, on_message: MessageHandler, *, router: bool = False, shm_run_id: str | None = None,
+        hub: str | None = None,
     ) -> None:
         self.identity = identity
         # same-host peers: large buffers go through /dev/shm (see monarch_nb.transport.shm)
@@ -296,6 +300,7 @@ class Channel:
         self._readers: dict[int, Callable[[int], None]] = {}
         self._readers_version = 0
         self._route_frames: dict[str, bytes] = {}
+        self._hub_frame = route_id(hub).encode() if hub is not None and not router else None
         self._via: dict[str, _LinkedProc] = {}  # ROUTER: linked procs by route
         self._plans_version = 0  # ROUTER: changed whenever _via or a fan threshold is, so casts' plans are made again
         self._plans: dict[tuple[str, ...], _FanPlan] = {}  # ROUTER: casts' plans by their destinations
@@ -320,7 +325,8 @@ class Channel:
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._lease = threading.Lock()  # held by the thread that receives (see the module docstring)
-        self._lease_freed = threading.Event()  # set when a leader lets the lease go (the IO thread waits on it)
+        self._lease_freed = threading.Event()  # set when a leader lets the lease go while the IO thread waits on it
+        self._io_waits = False  # the IO thread waits on _lease_freed (else a release need not set it: ~2 µs a message)
         self._leader: int | None = None  # that thread's ident
         self._leader_is_io = False
         self._released_at = 0.0
@@ -422,8 +428,11 @@ class Channel:
                 header["after"] = self._gathered_sent
             frames = encode(self._signer, header, body, buffers)
             # a ROUTER's first frame routes; a DEALER's names the destination, so that the hub can
-            # forward the message to another peer without reading it (the receiver verifies it)
-            frames.insert(0, self._route_frame(dst))
+            # forward the message to another peer without reading it (the receiver verifies it);
+            # a message to the hub itself names none
+            route = self._route_frame(dst)
+            if route != self._hub_frame:
+                frames.insert(0, route)
             self._send_locked(frames)
 
     def _send_gathered(self, dst: str, header: Header, body: bytes, gather: int) -> None:
@@ -643,8 +652,10 @@ class Channel:
                     time.sleep(_IO_RECHECK_S)  # the lease changes hands (a busy actor): look again later
                 else:  # kept for a while (an idle actor receiving on its own thread): wait until it lets go
                     self._lease_freed.clear()
+                    self._io_waits = True  # before looking: a release after the look sees it and sets the event
                     if self._lease.locked():
                         self._lease_freed.wait(_IO_IDLE_WAIT_S)
+                    self._io_waits = False
                 continue
             free_for = time.monotonic() - self._released_at
             if self._wanting == 0 and free_for >= TAKEOVER_S and self._lease.acquire(blocking=False):
@@ -728,7 +739,8 @@ class Channel:
             self._leader_is_io = False
             self._released_at = time.monotonic()
             self._lease.release()
-            self._lease_freed.set()
+            if self._io_waits:
+                self._lease_freed.set()
 
     def _poller(self) -> "select.poll":
         """This thread's poller over the socket, the wake pipe and the readers (kept current)."""
@@ -977,9 +989,16 @@ class Channel:
         bytes, the buffers after it as zero-copy frames. Raises zmq.Again if none is waiting."""
         sock = self._sock
         frames: list[Any] = [sock.recv(_NOBLOCK)]
-        # a ROUTER's sender and destination frames, a host agent's routing frame (@) and the envelope
-        # after it: small, copied
-        for _ in range(2 if self.router else 1 if frames[0][:1] == b"@" else 0):
+        # a ROUTER's sender frame, then a destination frame (none on a message to the hub itself); a
+        # host agent's routing frame (@); the envelope after them: small, copied
+        if self.router:
+            if not sock.getsockopt(_RCVMORE):
+                return frames
+            frames.append(sock.recv())
+            more = 1 if _is_route(frames[1]) else 0
+        else:
+            more = 1 if frames[0][:1] == b"@" else 0
+        for _ in range(more):
             if not sock.getsockopt(_RCVMORE):
                 return frames
             frames.append(sock.recv())
