@@ -130,7 +130,7 @@ class SimProcs:
         for index, route in enumerate(routes):  # the routing frame and the fan's "to" list them in the same order
             own = header
             if fan is not None:
-                own = {**header, **fields_at(fan, index)}
+                own = fields_at(fan, index, header)
                 del own["to"]
             self.answer(route, own, gather if len(routes) > 1 else None, len(routes))
 

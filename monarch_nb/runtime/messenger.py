@@ -258,17 +258,17 @@ class Messenger:
         ``dsts[i]``'s) to each of ``dsts``: local actors directly, the rest in one
         :meth:`Channel.send_many` (one message per host agent where the procs are linked to theirs)."""
         local = self.local
-        if local and any(dst in local for dst in dsts):
+        if local and not local.keys().isdisjoint(dsts):
             remote = []
             for index, dst in enumerate(dsts):
                 if dst in local:
-                    self._deliver(dst, cast(CallHeader, {**header, **fields_at(each, index)}), body, buffers)
+                    self._deliver(dst, cast(CallHeader, fields_at(each, index, header)), body, buffers)
                 else:
                     remote.append(index)
             dsts = [dsts[index] for index in remote]
             each = columns_at(each, remote)
         if len(dsts) == 1:
-            self.channel.send(dsts[0], cast(CallHeader, {**header, **fields_at(each, 0)}), body, buffers)
+            self.channel.send(dsts[0], cast(CallHeader, fields_at(each, 0, header)), body, buffers)
         elif dsts:
             self.channel.send_many(dsts, header, body, buffers, each)
 

@@ -192,7 +192,7 @@ class _FanPlan(NamedTuple):
     message per host agent; made when the links were at ``version``."""
 
     version: int
-    straight: list[int]
+    straight: list[tuple[int, "_LinkedProc | None"]]  # an index and its linked proc (None: not linked), by index
     groups: list[_FanGroup]
 
 
@@ -409,16 +409,22 @@ class Channel:
         to the agent when this proc is linked and it has no buffers and a small body, else
         straight, the agent told so (see the module docstring). 0: straight.
         """
-        header["src"] = self.identity
-        header["dst"] = dst
         if gather and self._links:
             if not buffers and len(body) <= INLINE_BODY_MAX:
+                header["src"] = self.identity
+                header["dst"] = dst
                 self._send_gathered(dst, header, body, gather)
                 return
             self._to_link([b"%s%d" % (_GATHER_FRAME, gather), _STRAIGHT_MARK + header["cid"].encode()])  # type: ignore[typeddict-item]  # a reply's
+        self._send_one(dst, header, body, buffers, self._via.get(route_id(dst)) if self._via else None)
+
+    def _send_one(self, dst: str, header: Header, body: bytes, buffers: Sequence[Any], linked: _LinkedProc | None) -> None:
+        """Number, sign and send one message to ``dst`` on the socket; ``linked``: ``dst`` is that
+        linked proc (its messages are numbered for it: ``pseq``), or None."""
+        header["src"] = self.identity
+        header["dst"] = dst
         if self.shm_run_id and buffers:
             buffers = self._export_large(header, buffers, self.shm_run_id)
-        linked = self._via.get(route_id(dst)) if self._via else None
         with self._lock:
             self._seq += 1
             header["seq"] = self._seq
@@ -462,8 +468,8 @@ class Channel:
         its number (``pseq``) and its columns' entries. Thread-safe; never blocks on the network."""
         plan = self._fan_plan(dsts)
         columns = each or {}
-        for index in plan.straight:
-            self.send(dsts[index], {**header, **fields_at(columns, index)}, body, buffers)  # type: ignore[typeddict-item]  # a kind's own fields
+        for index, linked in plan.straight:
+            self._send_one(dsts[index], fields_at(columns, index, header), body, buffers, linked)  # type: ignore[arg-type]  # a kind's own fields
         for group in plan.groups:
             fan: Header = {**header, "src": self.identity, "dst": group.dst}
             entries: dict[str, list[Any]] = {"to": group.routes, **columns_at(columns, group.indices)}
@@ -487,7 +493,7 @@ class Channel:
             return plan
         version = self._plans_version
         groups: dict[bytes, tuple[list[_LinkedProc], list[int]]] = {}
-        straight: list[int] = []
+        straight: list[tuple[int, _LinkedProc | None]] = []
         via = self._via
         seen: set[str] = set()
         for index, dst in enumerate(dsts):
@@ -495,7 +501,7 @@ class Channel:
             if linked is None and via and "#" in dst:
                 linked = via.get(route_id(dst))
             if linked is None or linked.route in seen:  # a proc named twice gets its second straight
-                straight.append(index)
+                straight.append((index, linked))
             else:
                 seen.add(linked.route)
                 members, indices = groups.setdefault(linked.agent, ([], []))
@@ -505,11 +511,11 @@ class Channel:
         fans = []
         for agent, (members, indices) in groups.items():
             if len(members) < 2 or not fan_out:  # the agent's hop would cost more than these sends
-                straight.extend(indices)
+                straight.extend(zip(indices, members))
                 continue
             routes = [linked.route for linked in members]
             fans.append(_FanGroup(agent, agent.decode(), b"@" + ",".join(routes).encode(), routes, members, indices))
-        plan = _FanPlan(version, sorted(straight), fans)
+        plan = _FanPlan(version, sorted(straight, key=lambda item: item[0]), fans)
         if len(self._plans) >= _MAX_FAN_PLANS:
             self._plans.clear()
         self._plans[key] = plan

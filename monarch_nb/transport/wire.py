@@ -85,11 +85,15 @@ def route_id(identity: str) -> str:
     return identity.split("#", 1)[0]
 
 
-def fields_at(columns: Mapping[str, Sequence[Any]], index: int) -> dict[str, Any]:
+def fields_at(columns: Mapping[str, Sequence[Any]], index: int, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The fields of one destination of a message to several, its fields given as columns
-    (``columns[name][index]`` each: a cast's ``fan``). Raises IndexError, KeyError or TypeError
-    for columns that do not hold ``index``."""
-    return {name: column[index] for name, column in columns.items()}
+    (``columns[name][index]`` each: a cast's ``fan``), added to a copy of ``base`` when given
+    (the message's header: one dict built per destination, not two). Raises IndexError,
+    KeyError or TypeError for columns that do not hold ``index``."""
+    fields = {} if base is None else dict(base)
+    for name, column in columns.items():
+        fields[name] = column[index]
+    return fields
 
 
 def columns_at(columns: Mapping[str, Sequence[Any]], indices: Sequence[int]) -> dict[str, list[Any]]:
