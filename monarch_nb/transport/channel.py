@@ -863,7 +863,7 @@ class Channel:
                 header["_fanned"] = len(routes)  # type: ignore[typeddict-unknown-key]  # its reply may be gathered (see send)
         pseq = header.pop("pseq", None)
         if pseq is not None:
-            if not (isinstance(pseq, list) and len(pseq) == 2 and all(type(v) is int for v in pseq)):
+            if not (type(pseq) is list and len(pseq) == 2 and type(pseq[0]) is int and type(pseq[1]) is int):
                 self.dropped["bad"] += 1
                 return
             order = (pseq[0], pseq[1])
