@@ -288,3 +288,42 @@ def test_a_link_that_no_agent_answers_is_given_up_on(tmp_path):
     assert link_to_agent(f"ipc://{tmp_path}/nobody", "pm0.0", timeout_s=0.2) is None
     assert time.monotonic() - started < 2.0
     assert AgentLink(str(tmp_path), enabled=False).address == "", "config.messages_via_agents off: no link"
+
+
+def test_a_procs_message_to_the_hub_names_no_destination_and_arrives_whole(tmp_path):
+    """A proc's channel made with ``hub=`` sends its messages to the controller without a
+    destination frame (one frame less each way); the controller reads such a message, and its
+    zero-copy buffer, as it reads one that names it, and still passes a message for a peer on."""
+    signer = Signer(KEY)
+    got: dict[str, list[tuple[dict, list[bytes]]]] = {"controller": [], "pm0.1": []}
+
+    def receiver(name: str) -> Callable[..., None]:
+        return lambda header, body, buffers, frames: got[name].append((dict(header), [bytes(b) for b in buffers]))
+
+    controller = Channel("controller", signer, receiver("controller"), router=True)
+    address = controller.bind(f"ipc://{tmp_path}/ctl")
+    controller.start()
+    procs = [Channel(f"pm0.{r}#{100 + r}", signer, receiver(f"pm0.{r}") if r else (lambda *a: None), hub="controller")
+             for r in range(2)]
+    sent: list[list[Any]] = []
+    try:
+        for proc in procs:
+            proc.connect(address)
+            proc.start()
+            proc.send("controller", {"kind": "hello"})
+        wait_for(lambda: len(got["controller"]) == 2)
+        original = procs[0]._send_locked
+        procs[0]._send_locked = lambda frames, link=None: (sent.append(frames), original(frames, link))  # type: ignore[method-assign]
+        tensor = bytes(range(256)) * 1024  # 256 KiB: a zero-copy buffer
+        procs[0].send("controller", {"kind": "report"}, b"small", [tensor])
+        procs[0].send("pm0.1", {"kind": "call"}, b"for a peer")
+        wait_for(lambda: len(got["controller"]) == 3 and len(got["pm0.1"]) == 1)
+        header, buffers = got["controller"][2]
+        assert header["kind"] == "report" and buffers == [tensor]
+        assert got["pm0.1"][0][0]["src"] == "pm0.0#100", "the hub passed the peer's message on"
+        assert sent[0][0][:4] == b"MNB2", "to the hub: the envelope first, no destination frame"
+        assert sent[1][0] == b"pm0.1", "to a peer: its route first, for the hub to forward"
+        assert not controller.dropped and not procs[1].dropped
+    finally:
+        for channel in (*procs, controller):
+            channel.close()
