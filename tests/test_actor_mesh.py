@@ -55,6 +55,10 @@ def test_slicing_and_geometry(procs4):
     assert [i["mesh_rank"] for i in infos] == [1, 2]  # context().actor_instance.rank: the place in the mesh
     assert [i["env_rank"] for i in infos] == [1, 2]
     assert all(i["world"] == 4 for i in infos)
+    # the same procs through another slice of the same size, then the first again: each call its own place
+    assert [i["rank"] for i in counters.slice(gpus=slice(0, 2)).whoami.call().get(timeout=10).values()] == [0, 1]
+    assert counters.slice(gpus=slice(0, 2)).slice(gpus=1).whoami.call_one().get(timeout=10)["mesh_rank"] == 1
+    assert [i["rank"] for i in pair.whoami.call().get(timeout=10).values()] == [0, 1]
     one = counters.slice(gpus=-1)
     assert len(one.extent) == 0 and one.whoami.call_one().get(timeout=10)["mesh_coords"] == {"gpus": 3}
     flat = counters.flatten("all")
