@@ -109,7 +109,11 @@ def _proc_cpu_ns(pid: int) -> int:
     """CPU nanoseconds of process ``pid``, every thread (``/proc/PID/task/*/schedstat``: exact,
     where /proc/PID/stat counts 10 ms ticks, too coarse for a proc's share of a few calls)."""
     total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # the process ended meanwhile
+        return 0
+    for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
                 total += int(f.read().split()[0])
@@ -145,6 +149,8 @@ def raw_call_all_floor(n: int, calls: int) -> float:
         peers = [router.recv_multipart()[0]]
         while len(peers) < n and router.poll(120_000):
             peers.append(router.recv_multipart()[0])
+        if len(peers) < n:
+            raise RuntimeError(f"{len(peers)} of {n} raw pyzmq workers started within 120 s")
         message, samples = b"x" * 200, []
         for _ in range(calls + 5):
             t0 = time.perf_counter()

@@ -469,7 +469,10 @@ class Channel:
         plan = self._fan_plan(dsts)
         columns = each or {}
         for index, linked in plan.straight:
-            self._send_one(dsts[index], fields_at(columns, index, header), body, buffers, linked)  # type: ignore[arg-type]  # a kind's own fields
+            dst = dsts[index]
+            if plan.version != self._plans_version:  # a proc linked or unlinked meanwhile (a restart): ask again
+                linked = self._via.get(route_id(dst)) if self._via else None
+            self._send_one(dst, fields_at(columns, index, header), body, buffers, linked)  # type: ignore[arg-type]  # a kind's own fields
         for group in plan.groups:
             fan: Header = {**header, "src": self.identity, "dst": group.dst}
             entries: dict[str, list[Any]] = {"to": group.routes, **columns_at(columns, group.indices)}
