@@ -411,12 +411,14 @@ class Channel:
         """
         if gather and self._links:
             if not buffers and len(body) <= INLINE_BODY_MAX:
-                header["src"] = self.identity
-                header["dst"] = dst
                 self._send_gathered(dst, header, body, gather)
                 return
             self._to_link([b"%s%d" % (_GATHER_FRAME, gather), _STRAIGHT_MARK + header["cid"].encode()])  # type: ignore[typeddict-item]  # a reply's
-        self._send_one(dst, header, body, buffers, self._via.get(route_id(dst)) if self._via else None)
+        self._send_one(dst, header, body, buffers, self._linked(dst))
+
+    def _linked(self, dst: str) -> _LinkedProc | None:
+        """The linked proc ``dst`` names (by its route), or None (not linked; a DEALER links none)."""
+        return self._via.get(route_id(dst)) if self._via else None
 
     def _send_one(self, dst: str, header: Header, body: bytes, buffers: Sequence[Any], linked: _LinkedProc | None) -> None:
         """Number, sign and send one message to ``dst`` on the socket; ``linked``: ``dst`` is that
@@ -443,6 +445,8 @@ class Channel:
 
     def _send_gathered(self, dst: str, header: Header, body: bytes, gather: int) -> None:
         """Send a reply to the host agent for gathering (numbered ``gk``; DEALER of a linked proc)."""
+        header["src"] = self.identity
+        header["dst"] = dst
         with self._lock:
             self._seq += 1
             header["seq"] = self._seq
@@ -471,7 +475,7 @@ class Channel:
         for index, linked in plan.straight:
             dst = dsts[index]
             if plan.version != self._plans_version:  # a proc linked or unlinked meanwhile (a restart): ask again
-                linked = self._via.get(route_id(dst)) if self._via else None
+                linked = self._linked(dst)
             self._send_one(dst, fields_at(columns, index, header), body, buffers, linked)  # type: ignore[arg-type]  # a kind's own fields
         for group in plan.groups:
             fan: Header = {**header, "src": self.identity, "dst": group.dst}
@@ -555,7 +559,7 @@ class Channel:
 
     def routed_via(self, dst: str) -> str | None:
         """The host agent that casts to ``dst`` go through, or None (not linked)."""
-        linked = self._via.get(route_id(dst))
+        linked = self._linked(dst)
         return linked.agent.decode() if linked is not None else None
 
     @property
