@@ -95,3 +95,52 @@ def test_idle_members_are_heard_on_their_relays_word_and_a_stopped_proc_there_is
     assert [e.rank for e in ctrl.events.events("proc_hung", since_seq=since)] == [rank]
     wait_until(lambda: rec.state == ProcState.FAILED, 10, message="the hung proc fenced (SIGKILL) and its exit seen")
     assert counters.slice(hosts=[r for r in range(4) if r != rank][0]).incr.call_one(2).get(timeout=10) == 2
+
+
+@pytest.fixture
+def paired_hosts_of_two(no_leaked_processes):
+    """4 local hosts in relay pairs, 2 procs each (a cast to all 8 goes through the agents), a
+    Counter on each proc; the members once the tree formed."""
+    monarch_nb.configure(relay_fan_in=2, relay_min_hosts=2)
+    with local_hosts(no_leaked_processes, hosts=4, gpus=2) as (ctrl, hosts, procs):
+        counters = procs.spawn("c", Counter)
+        members = lambda: {h.name: h.via_relay for h in ctrl.hosts.values() if h.name in hosts.host_names and h.via_relay}  # noqa: E731
+        wait_until(lambda: len(members()) == 2, 30, message="two hosts heartbeating through the other two")
+        yield ctrl, hosts, procs, counters, members()
+
+
+def test_a_cast_goes_down_the_tree_one_message_a_relay(paired_hosts_of_two):
+    ctrl, hosts, procs, counters, members = paired_hosts_of_two
+    before, straight = ctrl.channel.sent_via_relays, ctrl.channel.received["reply"]
+    assert counters.incr.call(1).get(timeout=10).values() == [1] * 8
+    assert ctrl.channel.sent_via_relays - before == 2  # one message a relay: its own procs' part and its member's
+    assert ctrl.channel.received["reply"] == straight, "every reply gathered by its host's agent"
+    counters.incr.broadcast(2)
+    assert counters.get_value.call().get(timeout=10).values() == [3] * 8
+    assert ctrl.channel.sent_via_relays - before == 6 and ctrl.channel.resent_relayed == 0  # three casts
+
+
+def test_a_cast_held_by_a_stopped_relay_reaches_its_member_straight(paired_hosts_of_two):
+    ctrl, hosts, procs, counters, members = paired_hosts_of_two
+    member, relay = sorted(members.items())[0]
+    host_index = {ctrl.proc_record(procs.name, r).host: r // 2 for r in range(8)}
+    since = ctrl.events.next_seq
+    agent = ctrl.hosts[relay].pid
+    os.kill(agent, signal.SIGSTOP)  # the relay takes the cast in and passes nothing on
+    try:
+        sent = ctrl.channel.sent_via_relays
+        counters.incr.broadcast(5)
+        assert ctrl.channel.sent_via_relays == sent + 2
+        # the member leaves its silent relay (~3 intervals) and the controller sends it its part
+        # straight; the call after the cast waits on the member's procs until the cast came
+        values = counters.slice(hosts=host_index[member]).get_value.call().get(timeout=hang_deadline_s())
+        assert values.values() == [5, 5]
+        assert ctrl.hosts[member].via_relay == "" and ctrl.channel.resent_relayed >= 1
+    finally:
+        os.kill(agent, signal.SIGKILL)
+    lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == relay, hang_deadline_s() + 1, since)
+    assert lost is not None
+    assert [e.host for e in ctrl.events.events("host_lost", since_seq=since)] == [relay]
+    wait_until(lambda: ctrl.hosts[relay].state == ProcState.HEALTHY and ctrl.hosts[relay].pid not in (0, agent), 30,
+               message=f"{relay} attached again")
+    wait_until(lambda: not pid_alive(agent), 10, message="the killed agent gone")

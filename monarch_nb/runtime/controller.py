@@ -141,6 +141,7 @@ class Controller:
             Kind.AGENT_HEARTBEAT: self._on_agent_heartbeat,
             Kind.AGENT_EXITING: lambda header, body, buffers: self.host_agents.on_agent_exiting(header),
             Kind.RELAY_READY: lambda header, body, buffers: self.host_agents.on_relay_ready(header),
+            Kind.RELAY_UNREACHED: lambda header, body, buffers: self.host_agents.on_relay_unreached(header),
             Kind.SPARES: self._on_spares,
             Kind.PORT: self.messenger.on_port,
         }

@@ -54,19 +54,19 @@ import zmq
 
 from .. import device
 from ..transport import shm
-from ..transport.channel import Channel
+from ..transport.channel import Channel, read_tree_routing
 from ..transport.keys import load_trust
-from ..transport.wire import Header, Signer
+from ..transport.wire import Header, Signer, route_id
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
 from .reply_gather import ReplyGather
-from .relay import AgentRelay, Relayed, RelayMember
+from .relay import AgentRelay, Relayed, RelayMember, cast_parts
 from .signal_stacks import dump_with_signal, os_state
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
-                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader, SignalHeader,
-                       SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
+                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader,
+                       RelayUnreachedHeader, SignalHeader, SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
 from .workspace_files import FileEntry, WorkspaceCopy
 from .worker_loop import local_ip_for
 
@@ -159,6 +159,7 @@ class HostAgent:
         self.heartbeats = HeartbeatRelay(self.folder, self._ranked_children, enabled=env.relay_heartbeats)
         self.link = AgentLink(self.folder, enabled=env.link_procs)  # the controller's messages for our procs, passed on
         self.channel.on_routed = self.link.forward
+        self.channel.on_relayed = self._on_relayed  # a cast down the relay tree, for our procs and our members'
         # our procs' replies to a cast, sent to the controller as one message
         self.replies = ReplyGather(self.signer, lambda header, body: self.channel.send(CONTROLLER, header, body), self.channel.call_later)
         self.link.on_gathered = self.replies.on_link_message
@@ -213,12 +214,36 @@ class HostAgent:
             reply["error"] = f"{type(exc).__name__}: {exc}"
         self.channel.send(CONTROLLER, reply)
 
+    def _on_relayed(self, routing: bytes, frames: list[Any]) -> None:
+        """A cast down the relay tree (``@@CAST;HOST=ROUTE,...``), verified and split per host
+        (:func:`~.relay.cast_parts`): our procs' part through the link, each member's over the
+        relay socket; those that cannot be reached named to the controller, which sends them
+        their part straight."""
+        try:
+            cast, sections = read_tree_routing(routing)
+            parts = cast_parts(self.signer, sections, frames)
+        except (ValueError, TypeError, KeyError) as exc:  # BadMessage is a ValueError
+            log.warning("dropped a cast down the relay tree: %s", exc)
+            return
+        own, unreached = route_id(self.channel.identity).encode(), []
+        for host, host_routing, part in parts:
+            if host == own:
+                self.link.forward(host_routing[1:].split(b","), part)
+            elif self.relay is None or not self.relay.pass_on(host, host_routing, part):
+                unreached.append(host.decode())
+        if self.relay is not None:
+            self.relay.on_readable()  # a send may take the socket's edge
+        if unreached:
+            message: RelayUnreachedHeader = {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached}
+            self.channel.send(CONTROLLER, message)
+
     def _on_relay_join(self, header: RelayJoinHeader, body: memoryview, buffers: list[memoryview]) -> None:
         """Heartbeat through the relay named from now on (none: straight to the controller)."""
         self._leave_relay()
         if header.get("endpoint"):
             member = RelayMember(self.channel.identity, self.signer, self.trust, header["relay"], header["endpoint"],
                                  self.env.heartbeat_interval_s)
+            member.on_routed = self.link.forward  # our part of the casts down the tree
             self.channel.add_reader(member.fd, self._on_relay_beat)
             self.member = member
 
@@ -232,6 +257,7 @@ class HostAgent:
 
     def _leave_relay(self) -> None:
         if self.member is not None:
+            self.member.on_readable()  # pass on the casts already here (the controller resends what did not come)
             self.channel.remove_reader(self.member.fd)
             self.member.close()
             self.member = None

@@ -41,7 +41,7 @@ from ..transport.keys import Trust, load_trust, seal
 from ..transport.wire import BadMessage, Signer, decode, encode, route_id
 from .launch import LocalAgent
 from .protocol import (CONTROLLER, AgentEnv, AgentExitingHeader, AgentHelloHeader, AttachedHeader, AttachHeader, Kind,
-                       RelayJoinHeader, RelayReadyHeader, SignalHeader)
+                       RelayJoinHeader, RelayReadyHeader, RelayUnreachedHeader, SignalHeader)
 from .relay import RelayJoin, RelayTree
 from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback, machine_id
 
@@ -344,6 +344,7 @@ class Hosts:
                 with self._tree_lock:
                     joins = self.tree.lose(name)
                 self._send_joins(joins)
+                self.ctrl.channel.cast_through(name, None)
                 if self.records.pop(name, None) is not None:
                     self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
 
@@ -357,7 +358,7 @@ class Hosts:
             with self._tree_lock:  # a fresh agent is in no relay tree: if its host relayed, its members go straight
                 joins = self.tree.lose(record.name)
             self._send_joins(joins)
-            record.via_relay = ""
+            self._set_relay(record, "")
             record.state = ProcState.HEALTHY
             record.last_heartbeat = time.monotonic()
             record.ready.set()
@@ -378,13 +379,36 @@ class Hosts:
             return None
         record.last_heartbeat = time.monotonic() if now is None else now
         record.load = float(load)
-        record.via_relay = via
+        if record.via_relay != via:
+            self._set_relay(record, via)
         if left:
             with self._tree_lock:
                 self.tree.left(name, left)
         if record.state == ProcState.FAILED and record.name in self._links:
             self._fence_returned(record)
         return record
+
+    def _set_relay(self, record: HostRecord, via: str) -> None:
+        """Host ``record`` is heard through relay ``via`` now ("": straight): the one place that
+        changes. Casts to its procs follow (down the tree through ``via``: ``Channel.cast_through``);
+        a host that left a relay gets the casts sent through it lately straight, as the relay may not
+        have passed them on (``Channel.resend_relayed``; its procs drop those they had)."""
+        before, record.via_relay = record.via_relay, via
+        channel = self.ctrl.channel
+        channel.cast_through(record.name, via or None)
+        if before:
+            resent = channel.resend_relayed(before, [record.name])
+            if resent:
+                log.info("host %s left relay %s: %d casts sent through it lately sent to it straight", record.name, before, resent)
+
+    def on_relay_unreached(self, header: RelayUnreachedHeader) -> None:
+        """A relay could not pass a cast on to some of its members: they get their part straight."""
+        try:
+            hosts, cast = [str(host) for host in header["hosts"]], int(header["cast"])
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("dropped a malformed relay_unreached from %s: %r", header.get("src"), exc)
+            return
+        self.ctrl.channel.resend_relayed(route_id(header["src"]), hosts, cast)
 
     def on_relay_ready(self, header: RelayReadyHeader) -> None:
         """A host asked to relay bound its socket (or could not): its members join it."""
@@ -401,7 +425,7 @@ class Hosts:
             if record is None:
                 continue
             if not join.relay:
-                record.via_relay = ""  # the controller heartbeats to it again, from this tick on
+                self._set_relay(record, "")  # the controller heartbeats to it again, from this tick on
             message: RelayJoinHeader = {"kind": Kind.RELAY_JOIN, "relay": join.relay, "endpoint": join.endpoint}
             self.ctrl.channel.send(join.member, message)
 

@@ -91,6 +91,7 @@ class Kind(str, Enum):
     OUTPUT = "output"  # bytes a proc wrote to stdout/stderr (OutputHeader; the bytes are the body)
     WORKSPACE_SYNCED = "workspace_synced"  # what a WORKSPACE did (WorkspaceSyncedHeader)
     RELAY_READY = "relay_ready"  # the relay socket is bound, or could not be (RelayReadyHeader)
+    RELAY_UNREACHED = "relay_unreached"  # members a cast down the tree could not be passed to (RelayUnreachedHeader)
     # relay agent -> its member agents (on the relay's own socket)
     RELAY_BEAT = "relay_beat"  # the relay is alive, and when it last heard the controller (RelayBeatHeader)
 
@@ -371,6 +372,11 @@ class RelayReadyHeader(Header):
 
 class RelayBeatHeader(Header):
     controller_age_s: float  # seconds since the relay last heard its controller
+
+
+class RelayUnreachedHeader(Header):
+    cast: int  # the controller's number of the cast (its relay routing frame's, @@CAST;...)
+    hosts: list[str]  # the member hosts it could not be passed to: the controller sends them their part straight
 
 
 class AgentHeartbeatHeader(Header, RelayedHeartbeats):

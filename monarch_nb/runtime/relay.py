@@ -13,10 +13,16 @@ its name, load and count of procs alone (:class:`~.protocol.QuietMember`), and t
 takes that host's procs as heard in one step: at 1,024 idle hosts the controller's work per
 idle host is a record lookup and a few timestamps, not a lookup per proc (docs/scale.md).
 
-Only heartbeats take the tree. Everything else keeps its path: a proc's exit (the agent's
-SIGCHLD), an agent's hello or exit, output, spawns, signals and casts go straight between the
-controller and each agent, so detection of a kill does not change, and neither does any
-supervision guarantee. What changes:
+Heartbeats take the tree, and casts down it: a cast to procs of several hosts of one relay is one
+message to the relay, which verifies it and splits it per host (:func:`cast_parts`: each host's
+entries alone, signed again), its own procs' part through its link and each member's over this
+socket (:meth:`AgentRelay.pass_on`, :meth:`RelayMember.on_readable`; see
+``monarch_nb.transport.channel``, "Down the relay tree"). A part the relay cannot pass on it names to the controller
+(:data:`~.protocol.Kind.RELAY_UNREACHED`), and a member that leaves its relay gets the casts of the
+last seconds straight again; the procs' numbering drops what came twice. Everything else keeps its
+path: a proc's exit (the agent's SIGCHLD), an agent's hello or exit, output, spawns, signals and
+messages to one proc go straight between the controller and each agent, so detection of a kill
+does not change, and neither does any supervision guarantee. What changes:
 
 - **Down the tree.** The controller heartbeats to relays (and to agents that heartbeat straight),
   not to members; a relay tells its members every interval how long ago it heard the controller
@@ -49,7 +55,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -58,7 +64,7 @@ from ..transport.keys import Trust
 from ..transport.wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
 from .protocol import AgentHeartbeatHeader, Kind, QuietMember, RelayBeatHeader, RelayedHeartbeat
 
-__all__ = ["AgentRelay", "RelayMember", "RelayTree", "Relayed", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
+__all__ = ["AgentRelay", "RelayMember", "RelayTree", "Relayed", "cast_parts", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,34 @@ def _socket(kind: int) -> "zmq.Socket[Any]":
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.RCVHWM, 0)
     return sock
+
+
+def cast_parts(signer: Signer, sections: list[tuple[bytes, list[bytes]]], frames: list[Any]) -> list[tuple[bytes, bytes, list[Any]]]:
+    """A cast down the tree (``frames``: signed by the controller, ``fan`` listing every host's
+    procs in the order of ``sections``, its routing frame's: :func:`~monarch_nb.transport.channel.read_tree_routing`)
+    split per host: ``(host, its routing frame @ROUTE,..., its part)``, the part the controller's
+    header with that host's ``fan`` entries alone (its ``seq`` and numbers kept), signed again
+    with the cluster key, so each proc reads its host's entries, not the whole tree's.
+
+    Raises:
+        BadMessage: not signed with the cluster key, with buffers, or its ``fan`` not the sections'.
+    """
+    header, body, buffers = decode(signer, frames)
+    fan = header.pop("fan", None)
+    if buffers or not isinstance(fan, dict) or not isinstance(fan.get("to"), list):
+        raise BadMessage("a cast down the tree has a fan of routes and no buffers")
+    parts, start, payload = [], 0, bytes(body)
+    for host, routes in sections:
+        end = start + len(routes)
+        entries = {name: column[start:end] for name, column in fan.items()}
+        if entries["to"] != [route.decode() for route in routes]:
+            raise BadMessage("a cast's fan does not list the procs of its routing frame")
+        part = {**header, "dst": host.decode(), "fan": entries}
+        parts.append((host, b"@" + b",".join(routes), encode(signer, part, payload)))  # type: ignore[arg-type]  # a cast's header
+        start = end
+    if start != len(fan["to"]):
+        raise BadMessage("a cast's fan lists procs its routing frame does not")
+    return parts
 
 
 @dataclass(frozen=True)
@@ -120,6 +154,8 @@ class AgentRelay:
         endpoint: ``tcp://IP:PORT`` the members connect to.
         dropped: reason -> messages dropped (bad signature, replayed, another's name, not a heartbeat).
         passed: member heartbeats passed on so far.
+        casts_passed: parts of casts passed down to members (:meth:`pass_on`).
+        unreached: parts of casts for members that could not be reached.
 
     Raises:
         zmq.ZMQError: the address cannot be bound.
@@ -142,6 +178,8 @@ class AgentRelay:
         self._seq = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.passed = 0
+        self.casts_passed = 0
+        self.unreached = 0
 
     @property
     def fd(self) -> int:
@@ -207,6 +245,18 @@ class AgentRelay:
         self.passed += len(taken.members) + len(taken.quiet)
         return taken
 
+    def pass_on(self, member: bytes, routing: bytes, frames: list[Any]) -> bool:
+        """Send ``member`` (a member host's route) its part of a cast down the tree: ``routing``
+        (``@ROUTE,...``, its procs) and the signed ``frames``, unread. False: it cannot be reached
+        now (not connected, or its queue full); the controller is to send it straight."""
+        try:
+            self.sock.send_multipart([member, routing, *frames], _NOBLOCK)
+        except zmq.ZMQError:  # EHOSTUNREACH: not connected (left, moved, not joined yet); EAGAIN: not reading
+            self.unreached += 1
+            return False
+        self.casts_passed += 1
+        return True
+
     def beat_members(self, controller_age_s: float) -> None:
         """Tell every member heard lately that this relay is alive and how long ago it heard
         the controller (seconds): one signed message, sent to each."""
@@ -269,6 +319,9 @@ class RelayMember:
         self._seq = 0
         self.relay_heard = time.monotonic()  # joining counts as hearing it: it has the silence allowance to answer
         self.controller_heard: float | None = None
+        #: ``on_routed(routes, frames)``: this host's part of a cast the relay passed on (its procs'
+        #: routes, the signed frames: :meth:`~.proc_link.AgentLink.forward`); None: dropped
+        self.on_routed: Callable[[list[bytes], list[Any]], None] | None = None
 
     @property
     def fd(self) -> int:
@@ -282,6 +335,11 @@ class RelayMember:
                 frames = sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            first = frames[0].bytes
+            if first[:1] == b"@" and len(frames) >= 2:  # our part of a cast down the tree: for our procs, unread
+                if self.on_routed is not None:
+                    self.on_routed(first[1:].split(b","), frames[1:])
+                continue
             try:
                 header, _, _ = decode(self._signer, frames)
             except BadMessage:

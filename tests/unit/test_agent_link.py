@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from monarch_nb.runtime.proc_link import AgentLink, link_to_agent
-from monarch_nb.transport.channel import Channel
-from monarch_nb.transport.wire import Signer, encode
+from monarch_nb.transport.channel import Channel, read_tree_routing
+from monarch_nb.transport.wire import INLINE_BODY_MAX, Signer, encode
 
 KEY = b"0123456789abcdef0123456789abcdef"
 
@@ -327,3 +327,48 @@ def test_a_procs_message_to_the_hub_names_no_destination_and_arrives_whole(tmp_p
     finally:
         for channel in (*procs, controller):
             channel.close()
+
+
+def test_a_cast_down_the_relay_tree_is_one_message_and_a_member_gets_its_part_straight_once(cluster, tmp_path):
+    """Hosts heard through one relay: a cast to procs of both is one message to the relay
+    (``@@CAST;HOST=ROUTES;...``, the signed message once); the relay holding it, the controller
+    sends the member its part straight (a member that left its relay), and the procs drop a part
+    that comes twice; a part holds its host's procs alone (their replies gathered by that count)."""
+    controller, link, procs, inbox, gate = cluster
+    controller.fan_min_hosts = 2
+    controller.route_via("pm9.0", "relay0", 900)  # a linked proc of the relay's own host (never connected here)
+    with hub_peer(tmp_path, b"relay0") as relay:
+        relay.send_multipart(encode(Signer(KEY), {"kind": "agent_hello", "src": "relay0#1", "dst": "controller", "seq": 1}))
+        wait_for(lambda: any(h["src"] == "relay0#1" for h in inbox["controller"].of_kind("agent_hello")))  # connected
+        controller.cast_through("host0", "relay0")
+        controller.send_many(["pm0.0", "pm0.1", "pm9.0"], {"kind": "call", "gth": 1}, each={"rank": [0, 1, 2]})
+        assert relay.poll(5000), "the relay got the cast"
+        frames = relay.recv_multipart()
+        assert read_tree_routing(frames[0]) == (1, [(b"host0", [b"pm0.0", b"pm0.1"]), (b"relay0", [b"pm9.0"])])
+        assert controller.sent_via_relays == 1 and controller.sent_via_agents == 0, "one message, to the relay"
+        assert controller.resend_relayed("relay0", ["host0", "relay0"]) == 1, "the member's part; the relay's own is not resent"
+        wait_for(lambda: all(inbox[f"pm0.{r}"].of_kind("call") for r in range(2)))
+        for rank in range(2):
+            [got] = inbox[f"pm0.{rank}"].of_kind("call")
+            assert (got["rank"], got["_fanned"], got["dst"]) == (rank, 2, f"pm0.{rank}")
+        assert controller.resend_relayed("relay0", ["host0"], cast=1) == 1
+        wait_for(lambda: procs["pm0.0"].dropped["replayed"] == 1 and procs["pm0.1"].dropped["replayed"] == 1)
+        assert controller.resend_relayed("relay0", ["host0"], cast=2) == 0, "no such cast"
+        controller.cast_through("host0", None)
+        controller.send_many(["pm0.0", "pm0.1", "pm9.0"], {"kind": "call", "n": 2}, each={"rank": [0, 1, 2]})
+        wait_for(lambda: all(len(inbox[f"pm0.{r}"].of_kind("call")) == 2 for r in range(2)))
+        assert controller.sent_via_relays == 1 and controller.sent_via_agents == 1, "straight through host0's agent again"
+        controller.cast_through("host0", "relay0")
+        large = b"x" * (INLINE_BODY_MAX + 1)  # not kept for a resend: one message a host
+        controller.send_many(["pm0.0", "pm0.1", "pm9.0"], {"kind": "call", "n": 3}, large, each={"rank": [0, 1, 2]})
+        wait_for(lambda: all(len(inbox[f"pm0.{r}"].of_kind("call")) == 3 for r in range(2)))
+        assert inbox["pm0.0"].of_kind("call")[-1]["body"] == large
+        assert relay.poll(5000) and relay.recv_multipart()[0] == b"@pm9.0", "the relay's own part, as any agent's"
+        assert controller.sent_via_relays == 1 and controller.sent_via_agents == 3
+
+
+def test_a_relay_routing_frame_that_is_not_one_is_refused():
+    assert read_tree_routing(b"@@7;h1=a,b;h2=c") == (7, [(b"h1", [b"a", b"b"]), (b"h2", [b"c"])])
+    for bad in (b"@a,b", b"@@x;h1=a", b"@@1;h1", b"@@1;=a", b"@@1;h1="):
+        with pytest.raises(ValueError):
+            read_tree_routing(bad)

@@ -11,8 +11,9 @@ from typing import Callable
 import pytest
 
 from monarch_nb.runtime.protocol import AgentHeartbeatHeader, Kind, QuietMember
-from monarch_nb.runtime.relay import RELAY_READY_TIMEOUT_S, RELAY_SILENT_INTERVALS, AgentRelay, RelayJoin, RelayMember, RelayTree
-from monarch_nb.transport.wire import Signer, encode
+from monarch_nb.runtime.relay import (RELAY_READY_TIMEOUT_S, RELAY_SILENT_INTERVALS, AgentRelay, RelayJoin, RelayMember, RelayTree,
+                                      cast_parts)
+from monarch_nb.transport.wire import BadMessage, Signer, decode, encode
 
 KEY = b"0123456789abcdef0123456789abcdef"
 INTERVAL_S = 0.05
@@ -236,3 +237,39 @@ def test_a_lost_relays_members_go_straight_and_a_member_that_left_is_not_put_bac
     # host1 back (a fresh agent): it may relay host2 again
     serve, _ = tree.plan(hosts(3), 2.0)
     assert serve == ["host1"] and sorted(tree.relays["host1"].members) == ["host2", "host3"]
+
+
+def test_a_relay_passes_a_member_its_part_of_a_cast_unread_and_says_when_it_cannot():
+    pair = Pair()
+    try:
+        member = pair.member("host2#200")
+        got: list[tuple[list[bytes], list[bytes]]] = []
+        member.on_routed = lambda routes, frames: got.append((routes, [bytes(f) for f in frames]))
+        member.send(beat(heard=["pm1.0#1"]))  # connected once the relay heard it
+        wait_for(lambda: (pair.relay.on_readable(), pair.relay.members == ["host2"])[1])
+        signed = encode(pair.signer, {"kind": "call", "src": "controller", "dst": "host1", "seq": 9})
+        assert pair.relay.pass_on(b"host2", b"@pm1.0,pm1.1", signed)
+        assert not pair.relay.pass_on(b"host9", b"@pm2.0", signed), "a host not connected: the controller is told"
+        wait_for(lambda: (member.on_readable(), got)[1] != [])
+        assert got == [([b"pm1.0", b"pm1.1"], [bytes(f) for f in signed])]
+        assert (pair.relay.casts_passed, pair.relay.unreached) == (1, 1)
+    finally:
+        pair.close()
+
+
+def test_a_cast_down_the_tree_is_split_per_host_each_part_signed_with_its_entries_alone():
+    signer = Signer(KEY)
+    cast = {"kind": "call", "src": "controller", "dst": "host1", "seq": 41, "ep": "ping",
+            "fan": {"to": ["pm0.0", "pm0.1", "pm0.2"], "rank": [0, 1, 2], "pseq": [[7, 3], [8, 5], [9, 2]]}}
+    sections = [(b"host1", [b"pm0.0"]), (b"host2", [b"pm0.1", b"pm0.2"])]
+    parts = cast_parts(signer, sections, encode(signer, cast, b"args"))
+    assert [(host, routing) for host, routing, _ in parts] == [(b"host1", b"@pm0.0"), (b"host2", b"@pm0.1,pm0.2")]
+    header, body, _ = decode(signer, parts[1][2])  # verifies as the controller's own message would
+    assert (header["src"], header["dst"], header["seq"], header["ep"], bytes(body)) == ("controller", "host2", 41, "ping", b"args")
+    assert header["fan"] == {"to": ["pm0.1", "pm0.2"], "rank": [1, 2], "pseq": [[8, 5], [9, 2]]}
+    with pytest.raises(BadMessage):  # not the cluster's key: nothing is signed again
+        cast_parts(signer, sections, encode(Signer(b"another key, 32 bytes long......"), cast, b"args"))
+    with pytest.raises(BadMessage):  # the routing frame names procs the fan does not
+        cast_parts(signer, [(b"host1", [b"pm0.0"]), (b"host2", [b"pm0.2", b"pm0.1"])], encode(signer, cast, b"args"))
+    with pytest.raises(BadMessage):  # ... or fewer than it lists
+        cast_parts(signer, [(b"host1", [b"pm0.0"])], encode(signer, cast, b"args"))
