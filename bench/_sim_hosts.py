@@ -48,9 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY, tick_phase_s  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
-from monarch_nb.runtime.relay import AgentRelay, RelayMember  # noqa: E402
+from monarch_nb.runtime.relay import AgentRelay, RelayMember, cast_parts  # noqa: E402
 from monarch_nb.runtime.reply_gather import ReplyGather  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
+from monarch_nb.transport.channel import read_tree_routing  # noqa: E402
 from monarch_nb.transport.wire import BadMessage, Signer, decode, encode, fields_at  # noqa: E402
 
 _NONE, _ZERO = dumps(None)[0], dumps(0)[0]  # what a constructor and the ping endpoint return
@@ -105,6 +106,7 @@ class SimProcs:
         self.cast_no = dict.fromkeys(identities, 0)  # proc -> broadcasts it got
         self.total = len(identities)
         self.gathered = dict.fromkeys(identities, 0)  # proc -> replies it sent its agent for gathering (gk)
+        self.delivered: dict[str, int] = {}  # proc -> the highest number (pseq) of the controller's it got
 
     def serve(self) -> None:
         """Answer every message waiting on the procs' own connections (never blocks)."""
@@ -132,6 +134,11 @@ class SimProcs:
             if fan is not None:
                 own = fields_at(fan, index, header)
                 del own["to"]
+            pseq = own.get("pseq")
+            if pseq is not None:  # a part sent again (its relay fell silent): a real proc drops what it had
+                if pseq[1] <= self.delivered.get(route, 0):
+                    continue
+                self.delivered[route] = pseq[1]
             self.answer(route, own, gather if len(routes) > 1 else None, len(routes))
 
     def answer(self, identity: str, header: dict, gather: ReplyGather | None = None, expected: int = 1) -> None:
@@ -199,7 +206,19 @@ def main() -> int:
 
     def from_controller(name: str, frames: list) -> None:
         """What a host agent does with the controller's message: the relay tree's, or nothing."""
-        if procs is not None and bytes(frames[0])[:1] == b"@":  # for its procs (--linked)
+        first = bytes(frames[0])
+        if procs is not None and first[:2] == b"@@":  # a cast down the tree: ours, and each member's passed on
+            cast, sections = read_tree_routing(first)
+            relay, unreached = relays.get(name), []
+            for host, routing, part in cast_parts(signer, sections, frames[1:]):  # as a real relay: split per host
+                if host.decode() == name:
+                    procs.serve_routed([routing, *part], gathers[name])
+                elif relay is None or not relay.pass_on(host, routing, part):
+                    unreached.append(host.decode())
+            if unreached:
+                send(name, {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached})
+            return
+        if procs is not None and first[:1] == b"@":  # for its procs (--linked)
             procs.serve_routed(frames, gathers[name])
             return
         try:
@@ -212,11 +231,21 @@ def main() -> int:
             send(name, {"kind": Kind.RELAY_READY, "endpoint": relays[name].endpoint, "error": ""})
             due[name] = min(due[name], time.monotonic() + interval_s)  # a relay beats every interval
         elif header["kind"] == Kind.RELAY_JOIN:
-            member = members.pop(name, None)
-            if member is not None:
-                member.close()
+            leave(name)
             if header.get("endpoint"):
-                members[name] = RelayMember(f"{name}#{pid}", signer, None, header["relay"], header["endpoint"], interval_s)
+                member = members[name] = RelayMember(f"{name}#{pid}", signer, None, header["relay"], header["endpoint"], interval_s)
+                if procs is not None:  # its part of the casts down the tree
+                    member.on_routed = lambda routes, frames, name=name: procs.serve_routed([b"@" + b",".join(routes), *frames],
+                                                                                         gathers[name])
+                    poller.register(member.sock, zmq.POLLIN)
+
+    def leave(name: str) -> None:
+        """Host ``name`` stops heartbeating through its relay (if it had one)."""
+        member = members.pop(name, None)
+        if member is not None:
+            if procs is not None:
+                poller.unregister(member.sock)
+            member.close()
 
     def heartbeat(name: str) -> None:
         """One host's heartbeat: an idle agent's, through its relay if it has one; a relay's with its members'."""
@@ -229,7 +258,7 @@ def main() -> int:
         member = members.get(name)
         if member is not None and member.silent():  # its relay fell silent: straight again (checked every tick)
             header["relay_left"] = member.relay
-            members.pop(name).close()
+            leave(name)
             member = None
         elif member is not None:  # an idle member ticks every interval and beats every IDLE_HEARTBEAT_EVERY-th
             ticks[name] += 1
@@ -268,6 +297,9 @@ def main() -> int:
             for name, sock in socks.items():
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     from_controller(name, sock.recv_multipart(copy=False))
+            if linked:
+                for member in list(members.values()):  # casts passed down by their relays
+                    member.on_readable()
         if timers:
             now = time.monotonic()
             for timer in [t for t in timers if t[0] <= now]:

@@ -41,7 +41,10 @@ each every second interval as an idle agent's), CPU per agent heartbeat received
 controller's own heartbeats to the hosts included), procs wrongly declared hung meanwhile (must
 be 0); spawn of the trivial actor to its first call-to-all's answer, call to all p50/p95 and the
 controller's CPU per call to all, cast (``broadcast``: from the call to the moment the simulator
-holds it for every proc) p50/p95 and the controller's CPU per cast (both less its idle share);
+holds it for every proc) p50/p95 and the controller's CPU per cast (both less its idle share), the
+CPU of the thread that sends a cast (``thread_time`` around ``broadcast``: the controller's own
+work per cast, unmixed with its IO thread's) and, on the tree path, its messages down the tree
+and the parts sent again straight (a member that left its relay);
 one host silenced -> its ``host_lost`` event, one proc's exit -> its ``proc_exited`` event; and
 how many hosts that were not silenced were lost anyway over the whole run ("others lost": a
 simulated host whose heartbeats came later than the hang timeout allows, the simulator being one
@@ -49,11 +52,12 @@ process for every host on the controller's 2 cores; a lost simulated host is not
 
 Each size runs on up to three paths (``--paths``): ``direct`` (every simulated proc heartbeats
 and answers straight), ``agents`` (one heartbeat per host, casts through the hosts), ``tree``
-(from ``relay_min_hosts`` hosts: the agents' heartbeats also through the relay tree,
-monarch_nb.runtime.relay; the simulator's relays and members are the real AgentRelay and
-RelayMember). On the tree path it also records when the tree formed (every relay ready, every
-placed member heard through its relay), then silences one relay: how soon its members heartbeat
-straight, when the relay is lost, and that none of its members is lost wrongly.
+(from ``relay_min_hosts`` hosts: the agents' heartbeats also through the relay tree, and
+casts down it, monarch_nb.runtime.relay; the simulator's relays and members are the real
+AgentRelay and RelayMember, its relays pass casts on over their real sockets). On the tree
+path it also records when the tree formed (every relay ready, every placed member heard through
+its relay), then silences one relay: how soon its members heartbeat straight, when the relay is
+lost, and that none of its members is lost wrongly.
 
 What this does not do: a peer in the same run (torchmonarch's figures on real hosts are Monarch
 PR #4875's; ipyparallel's broadcast is in bench/actor_latency.py). Prints tables and writes bench/results/scale.json.
@@ -266,12 +270,15 @@ def _simulated_calls(procs, sim: subprocess.Popen, calls: int, idle_cpu: float) 
         _answer(actors.ping.call(), sim, 120)
         rtts.append(time.perf_counter() - c0)
     call_cpu = (_cpu_s() - cpu0 - idle_cpu * (time.perf_counter() - w0)) / calls
-    casts = []
+    casts, sending = [], []
     assert sim.stdout is not None
+    channel = Controller.get().channel
+    relayed0, resent0 = channel.sent_via_relays, channel.resent_relayed
     cpu0, w0 = _cpu_s(), time.perf_counter()
     for n in range(1, calls + 1):
-        c0 = time.monotonic()
+        c0, t0 = time.monotonic(), time.thread_time()
         actors.ping.broadcast()
+        sending.append(time.thread_time() - t0)  # the calling thread signs and sends the cast's messages
         line = sim.stdout.readline().split()  # "cast N T": every simulated proc got broadcast N at T
         if line[:2] != ["cast", str(n)]:
             raise RuntimeError(f"simulated hosts said {line!r}, not cast {n}")
@@ -280,7 +287,9 @@ def _simulated_calls(procs, sim: subprocess.Popen, calls: int, idle_cpu: float) 
     return {"spawn_to_first_reply_s": first_s, "call_all_p50_ms": 1e3 * statistics.median(rtts),
             "call_all_p95_ms": 1e3 * _pct(rtts, 0.95), "controller_cpu_per_call_all_ms": 1e3 * call_cpu,
             "cast_p50_ms": 1e3 * statistics.median(casts), "cast_p95_ms": 1e3 * _pct(casts, 0.95),
-            "controller_cpu_per_cast_ms": 1e3 * cast_cpu}
+            "controller_cpu_per_cast_ms": 1e3 * cast_cpu, "sending_cpu_per_cast_ms": 1e3 * statistics.median(sending),
+            "tree_messages_per_cast": (channel.sent_via_relays - relayed0) / calls,
+            "tree_parts_resent": channel.resent_relayed - resent0}
 
 
 def _ms_pair(row: dict) -> str:
@@ -453,6 +462,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
             ctrl.procs.pop(identity, None)
             ctrl.channel.route_direct(identity)
         for name in names:
+            ctrl.channel.cast_through(name, None)
             ctrl.hosts.pop(name, None)
             ctrl.host_agents._links.pop(name, None)
             ctrl.host_agents._reattaching.discard(name)
@@ -535,13 +545,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['proc_exit_seen_ms']:>13.1f} {_ms_pair(r):>27}")
         print(f"\nsimulated procs answering a trivial actor's calls (controller CPU less its idle share)\n{'messages':>12} {'procs':>6} "
               f"{'spawn->reply s':>15} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call-all ms':>21} {'cast p50 ms':>12} "
-              f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17}")
+              f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17} {'sending ms':>11} {'msgs down tree':>15} {'resent':>7}")
         for r in simulated:
             path = r["messages"] + ("+tree" if r["relay_tree"] else "")
             print(f"{path:>12} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} "
                   f"{r['call_all_p95_ms']:>8.2f} "
                   f"{r['controller_cpu_per_call_all_ms']:>21.2f} {r['cast_p50_ms']:>12.2f} {r['cast_p95_ms']:>8.2f} "
-                  f"{r['controller_cpu_per_cast_ms']:>17.2f}")
+                  f"{r['controller_cpu_per_cast_ms']:>17.2f} {r['sending_cpu_per_cast_ms']:>11.2f} "
+                  f"{r['tree_messages_per_cast']:>15.1f} {r['tree_parts_resent']:>7}")
         tree_rows = [r for r in simulated if r["relay_tree"]]
         if tree_rows:
             print(f"\nrelay tree: one relay silenced\n{'hosts':>6} {'relays':>6} {'straight':>8} {'tree formed s':>14} {'members':>8} "
