@@ -221,9 +221,17 @@ class HostAgent:
         their part straight."""
         try:
             cast, sections = read_tree_routing(routing)
+        except ValueError as exc:
+            log.warning("dropped a cast down the relay tree: %s", exc)
+            return
+        try:
             parts = cast_parts(self.signer, sections, frames)
         except (ValueError, TypeError, KeyError) as exc:  # BadMessage is a ValueError
-            log.warning("dropped a cast down the relay tree: %s", exc)
+            log.warning("could not split cast %d down the relay tree (%s): its hosts are to get it straight", cast, exc)
+            parts = []
+        if not parts:  # every host named gets its part straight, ours too (a forged cast: the controller has none)
+            message: RelayUnreachedHeader = {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": [h.decode() for h, _ in sections]}
+            self.channel.send(CONTROLLER, message)
             return
         own, unreached = route_id(self.channel.identity).encode(), []
         for host, host_routing, part in parts:
@@ -234,8 +242,8 @@ class HostAgent:
         if self.relay is not None:
             self.relay.on_readable()  # a send may take the socket's edge
         if unreached:
-            message: RelayUnreachedHeader = {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached}
-            self.channel.send(CONTROLLER, message)
+            said: RelayUnreachedHeader = {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached}
+            self.channel.send(CONTROLLER, said)
 
     def _on_relay_join(self, header: RelayJoinHeader, body: memoryview, buffers: list[memoryview]) -> None:
         """Heartbeat through the relay named from now on (none: straight to the controller)."""

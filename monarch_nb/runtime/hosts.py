@@ -37,12 +37,13 @@ import zmq
 from ..config import config
 from ..errors import MonarchError
 from ..supervision.records import HostRecord, ProcRecord, ProcState
+from ..transport.channel import RELAYED_KEEP_S
 from ..transport.keys import Trust, load_trust, seal
 from ..transport.wire import BadMessage, Signer, decode, encode, route_id
 from .launch import LocalAgent
 from .protocol import (CONTROLLER, AgentEnv, AgentExitingHeader, AgentHelloHeader, AttachedHeader, AttachHeader, Kind,
                        RelayJoinHeader, RelayReadyHeader, RelayUnreachedHeader, SignalHeader)
-from .relay import RelayJoin, RelayTree
+from .relay import RELAY_SILENT_INTERVALS, RelayJoin, RelayTree
 from .worker_loop import LOOPBACK_KEY, interface_for, is_loopback, machine_id
 
 if TYPE_CHECKING:
@@ -433,6 +434,8 @@ class Hosts:
         """Place the healthy attached hosts in the relay tree (:class:`~.relay.RelayTree`)."""
         healthy = [name for name in self._links if (r := self.records.get(name)) is not None
                    and r.state == ProcState.HEALTHY and r.ready.is_set()]
+        # a cast down the tree is kept until a member that lost its relay has surely said so
+        self.ctrl.channel.relayed_keep_s = max(RELAYED_KEEP_S, 2 * (config.hang_timeout_s + RELAY_SILENT_INTERVALS * config.heartbeat_interval_s))
         with self._tree_lock:
             self.tree.fan_in, self.tree.min_hosts = config.relay_fan_in, config.relay_min_hosts
             self.tree.expire(now)

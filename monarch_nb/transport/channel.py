@@ -53,9 +53,11 @@ that host's entries alone, signed again with the cluster key (a proc then reads 
 not the tree's: 14 µs against 68 for 256 entries), its own procs through its link, each member
 host over the relay's socket (``@ROUTE,...``, as from the controller). The numbering keeps the
 order, as for any cast. A part can be lost on the way (a relay killed or stopped, a member
-reconnecting), so the controller keeps what it sent down the tree for :data:`RELAYED_KEEP_S` and
-sends a host its part straight again when it leaves its relay, or when the relay says it could not
-reach it (:meth:`Channel.resend_relayed`); a proc drops a part it already had. A cast with
+reconnecting), so the controller keeps what it sent down the tree for a few seconds
+(:attr:`Channel.relayed_keep_s`) and sends a host its part straight again when it leaves its
+relay, or when the relay says it could not reach it (:meth:`Channel.resend_relayed`); a proc drops
+a part it already had. A cast whose plan changed before it was sent (a host left its relay) goes
+one message a host, never to the relay: its resend may already have been made. A cast with
 buffers or a body over ``INLINE_BODY_MAX`` is not kept (it would pin its buffers for seconds): it
 goes one message a host, as without the tree.
 
@@ -187,7 +189,7 @@ _Held = tuple[float, Header, memoryview, list[memoryview], list[Any], "bytes | N
 
 #: Casts' plans a channel keeps (see :meth:`Channel._fan_plan`); all are dropped when there are more.
 _MAX_FAN_PLANS = 64
-#: Seconds the controller keeps a cast it sent down the relay tree, to send a member host its part
+#: Seconds (at least) the controller keeps a cast it sent down the relay tree, to send a member host its part
 #: straight when the member leaves its relay or the relay says it could not reach it
 #: (:meth:`Channel.resend_relayed`). A member leaves a silent relay after
 #: ``relay.RELAY_SILENT_INTERVALS`` heartbeat intervals (0.75 s by default) and says so at once.
@@ -195,6 +197,9 @@ RELAYED_KEEP_S = 5.0
 #: Casts kept at most for that (the oldest go first: a cast rate above 2,000 a second keeps less than
 #: :data:`RELAYED_KEEP_S` of them).
 RELAYED_KEEP_MAX = 10_000
+#: ... and at most this many bytes of their bodies (a cast down the tree has no buffers and a body of
+#: at most ``INLINE_BODY_MAX``).
+RELAYED_KEEP_MAX_BYTES = 64 << 20
 
 
 class _FanGroup(NamedTuple):
@@ -372,6 +377,10 @@ class Channel:
         self._relays: set[bytes] = set()  # ROUTER: the relays of _relay_of
         self._relayed: collections.OrderedDict[int, _Relayed] = collections.OrderedDict()  # ROUTER: casts kept, by number
         self._relayed_no = 0
+        self._relayed_bytes = 0
+        #: ROUTER: seconds a cast sent down the relay tree is kept for a resend (:meth:`resend_relayed`;
+        #: the controller sets it from its heartbeat interval and hang timeout, at least :data:`RELAYED_KEEP_S`)
+        self.relayed_keep_s = RELAYED_KEEP_S
         self._links: list[zmq.Socket[Any]] = []  # DEALER: its host agent's link (received from like the socket)
         self._link_backlog: set[zmq.Socket[Any]] = set()  # links left with messages waiting (see _receive_link)
         # DEALER: the controller's numbered messages (pseq), delivered in order: this incarnation, the next
@@ -555,23 +564,32 @@ class Channel:
             self._send_fan(group, header, columns, body, buffers)
         kept = not buffers and len(body) <= INLINE_BODY_MAX  # a large message is not kept: it goes one a host
         for tree in plan.trees:
-            if not kept:
-                for group in tree.groups:
-                    self._send_fan(group, header, columns, body, buffers)
+            if kept and self._send_tree(tree, plan.version, header, columns, body):
                 continue
-            fan: Header = {**header, "src": self.identity, "dst": tree.dst}
-            entries: dict[str, list[Any]] = {"to": tree.routes, **columns_at(columns, tree.indices)}
-            with self._lock:
-                self._seq += 1
-                fan["seq"] = self._seq
-                entries["pseq"] = [[linked.incarnation, linked.number()] for linked in tree.members]
-                self._relayed_no += 1
-                self._keep_relayed(self._relayed_no, _Relayed(time.monotonic(), tree.relay, tree, fan.copy(), entries, body))
-                fan["fan"] = entries
-                frames = encode(self._signer, fan, body, buffers)
-                self.sent_via_relays += 1
-                frames[:0] = [tree.relay, b"@@%d;%s" % (self._relayed_no, tree.sections)]
-                self._send_locked(frames)
+            for group in tree.groups:  # one message a host
+                self._send_fan(group, header, columns, body, buffers)
+
+    def _send_tree(self, tree: _TreeGroup, version: int, header: Header, columns: Mapping[str, Sequence[Any]],
+                   body: bytes) -> bool:
+        """Send a cast's destinations on a relay's hosts as one message to the relay, kept for a
+        resend; False (nothing sent) when the plan is stale: a host may have left that relay
+        meanwhile, and what it was sent there after its resend would never come."""
+        fan: Header = {**header, "src": self.identity, "dst": tree.dst}
+        entries: dict[str, list[Any]] = {"to": tree.routes, **columns_at(columns, tree.indices)}
+        with self._lock:  # cast_through changes the version before resend_relayed takes this lock
+            if version != self._plans_version:
+                return False
+            self._seq += 1
+            fan["seq"] = self._seq
+            entries["pseq"] = [[linked.incarnation, linked.number()] for linked in tree.members]
+            self._relayed_no += 1
+            self._keep_relayed(self._relayed_no, _Relayed(time.monotonic(), tree.relay, tree, fan.copy(), entries, body))
+            fan["fan"] = entries
+            frames = encode(self._signer, fan, body)
+            self.sent_via_relays += 1
+            frames[:0] = [tree.relay, b"@@%d;%s" % (self._relayed_no, tree.sections)]
+            self._send_locked(frames)
+        return True
 
     def _send_fan(self, group: _FanGroup, header: Header, columns: Mapping[str, Sequence[Any]], body: bytes,
                   buffers: Sequence[Any]) -> None:
@@ -589,12 +607,25 @@ class Channel:
             self._send_locked(frames)
 
     def _keep_relayed(self, number: int, cast: _Relayed) -> None:
-        """Keep a cast sent down the tree (channel lock held); drop those kept too long."""
+        """Keep a cast sent down the tree (channel lock held); drop those kept longer than
+        :attr:`relayed_keep_s`, and the oldest beyond :data:`RELAYED_KEEP_MAX` casts or
+        :data:`RELAYED_KEEP_MAX_BYTES` of bodies (counted: ``dropped["relayed kept"]``, logged once)."""
         kept = self._relayed
         kept[number] = cast
-        cutoff = cast.sent_at - RELAYED_KEEP_S
-        while kept and (len(kept) > RELAYED_KEEP_MAX or next(iter(kept.values())).sent_at < cutoff):
+        self._relayed_bytes += len(cast.body)
+        cutoff = cast.sent_at - self.relayed_keep_s
+        while kept:
+            oldest = next(iter(kept.values()))
+            if oldest.sent_at >= cutoff and len(kept) <= RELAYED_KEEP_MAX and self._relayed_bytes <= RELAYED_KEEP_MAX_BYTES:
+                break
+            if oldest.sent_at >= cutoff:
+                if not self.dropped["relayed kept"]:
+                    log.warning("casts down the relay tree come faster than %d (or %d MiB) in %.1f s: the oldest are no "
+                                "longer kept to send again should a relay fail", RELAYED_KEEP_MAX, RELAYED_KEEP_MAX_BYTES >> 20,
+                                self.relayed_keep_s)
+                self.dropped["relayed kept"] += 1
             kept.popitem(last=False)
+            self._relayed_bytes -= len(oldest.body)
 
     def _fan_plan(self, dsts: Sequence[str]) -> _FanPlan:
         """Which of ``dsts`` go one by one and which in one message per host agent, kept for the
@@ -661,24 +692,31 @@ class Channel:
         message to the relay; None: straight to the agent again (ROUTER). See :meth:`resend_relayed`
         for a cast the relay could not pass on."""
         host = route_id(agent).encode()
-        if relay is None:
-            if self._relay_of.pop(host, None) is None:
-                return
-        else:
-            self._relay_of[host] = route_id(relay).encode()
-        self._relays = set(self._relay_of.values())
-        self._plans_version += 1
+        with self._lock:  # callers on two threads (the IO thread's heartbeats, a detach)
+            if relay is None:
+                if self._relay_of.pop(host, None) is None:
+                    return
+            else:
+                self._relay_of[host] = route_id(relay).encode()
+            self._relays = set(self._relay_of.values())
+            self._plans_version += 1
 
     def resend_relayed(self, relay: str, hosts: Sequence[str], cast: int | None = None) -> int:
         """Send ``hosts`` their parts of the casts sent down the tree through ``relay`` (of cast
-        number ``cast`` only; None: of every cast kept, :data:`RELAYED_KEEP_S`) straight, as a cast
-        through their agents: a member that left its relay (it fell silent), or that the relay said
-        it could not reach. A proc drops a part it already had (its number, ``pseq``, was
+        number ``cast`` only, the relay's own host among them if named: it said so; None: of every
+        cast kept, :attr:`relayed_keep_s`, not to the relay's own host, gone with it) straight, as a
+        cast through their agents: a member that left its relay (it fell silent), or that the relay
+        said it could not reach. A proc drops a part it already had (its number, ``pseq``, was
         delivered). Returns how many parts were sent (ROUTER; thread-safe)."""
         through = route_id(relay).encode()
-        wanted = {route_id(host).encode() for host in hosts} - {through}  # the relay's own host: gone with it
-        sent = 0
-        with self._lock:
+        wanted = {route_id(host).encode() for host in hosts}
+        if cast is None:
+            wanted.discard(through)
+        parts: list[tuple[_FanGroup, Header, bytes]] = []
+        with self._lock:  # what to send; signed and sent after, each under the lock on its own
+            if cast is not None and cast not in self._relayed:
+                log.warning("relay %s could not pass cast %d on to %s, and it is no longer kept: their procs wait for it",
+                            relay, cast, ", ".join(sorted(hosts)))
             kept = self._relayed if cast is None else {cast: self._relayed[cast]} if cast in self._relayed else {}
             for entry in kept.values():
                 if entry.relay != through:
@@ -687,13 +725,16 @@ class Channel:
                 for group in entry.tree.groups:
                     end = start + len(group.routes)
                     if group.agent in wanted:  # its part alone, as a cast through its agent, under the cast's own seq
-                        part: Header = {**entry.header, "dst": group.dst,
-                                        "fan": {name: column[start:end] for name, column in entry.entries.items()}}
-                        self._send_locked([group.agent, group.routing, *encode(self._signer, part, entry.body)])
-                        sent += 1
+                        parts.append((group, {**entry.header, "dst": group.dst,
+                                              "fan": {name: column[start:end] for name, column in entry.entries.items()}},
+                                      entry.body))
                     start = end
-            self.resent_relayed += sent
-        return sent
+        for group, part, body in parts:
+            frames = encode(self._signer, part, body)
+            with self._lock:
+                self._send_locked([group.agent, group.routing, *frames])
+                self.resent_relayed += 1
+        return len(parts)
 
     @property
     def fan_min_procs(self) -> int:

@@ -354,6 +354,13 @@ def test_a_cast_down_the_relay_tree_is_one_message_and_a_member_gets_its_part_st
         assert controller.resend_relayed("relay0", ["host0"], cast=1) == 1
         wait_for(lambda: procs["pm0.0"].dropped["replayed"] == 1 and procs["pm0.1"].dropped["replayed"] == 1)
         assert controller.resend_relayed("relay0", ["host0"], cast=2) == 0, "no such cast"
+        assert controller.resend_relayed("relay0", ["relay0"], cast=1) == 1, "the relay could not split it: its own part too"
+        assert relay.poll(5000) and relay.recv_multipart()[0] == b"@pm9.0"
+        # a cast planned before host0 left the relay is not sent down the tree (nothing would resend it)
+        plan = controller._fan_plan(["pm0.0", "pm0.1", "pm9.0"])
+        controller.cast_through("host0", None)
+        assert not controller._send_tree(plan.trees[0], plan.version, {"kind": "call"}, {}, b"")
+        assert controller.sent_via_relays == 1
         controller.cast_through("host0", None)
         controller.send_many(["pm0.0", "pm0.1", "pm9.0"], {"kind": "call", "n": 2}, each={"rank": [0, 1, 2]})
         wait_for(lambda: all(len(inbox[f"pm0.{r}"].of_kind("call")) == 2 for r in range(2)))
