@@ -291,7 +291,8 @@ class Messenger:
 
     def on_replies(self, header: RepliesHeader, body: Any, buffers: list[memoryview]) -> None:
         """Handle a host agent's ``replies`` (its procs' replies to one call, gathered; the
-        channel checked that each is from a proc linked to that agent). A reply from another
+        channel checked that each is from a proc linked to that agent, and marked those it
+        dropped with ``gk`` None: skipped here, their bytes passed over). A reply from another
         proc than the call's target at its index is dropped."""
         cid = header["cid"]
         pending = self._pending.get(cid)
@@ -304,8 +305,10 @@ class Messenger:
             if len(item) != 5 or type(item[4]) is not int:
                 log.warning("dropped the rest of gathered replies to call %s: a malformed item %r", cid, item)
                 break
-            src, _gk, index, ok, nbytes = item
+            src, gk, index, ok, nbytes = item
             chunk, offset = view[offset:offset + nbytes], offset + nbytes
+            if gk is None:  # the channel dropped it (another incarnation's, or one it had)
+                continue
             if type(index) is not int or not 0 <= index < len(targets) or route_id(targets[index].proc) != route_id(str(src)):
                 log.warning("dropped a gathered reply of %s for index %r of call %s: not that call's target", src, index, cid)
                 continue

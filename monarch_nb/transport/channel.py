@@ -1134,25 +1134,24 @@ class Channel:
 
     def _take_gathered(self, header: Header) -> list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]]:
         """Check a host agent's gathered replies (each item ``[src, gk, ...]``: a proc linked to
-        that agent, its current incarnation, a number not seen); drop the others from the
-        header; note the numbers; return the messages held for them, now due, in their order."""
+        that agent, its current incarnation, a number not seen); mark the others dropped (``gk``
+        None: the item stays, as its reply's bytes stay in the body, so the items after it still
+        find theirs); note the numbers; return the messages held for them, now due, in their order."""
         agent = route_id(header["src"]).encode()
-        kept: list[list[Any]] = []
         released: list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]] = []
         items = header["gathered"]
         for item in items if isinstance(items, list) else ():
             if not isinstance(item, list) or len(item) < 2:
-                self.dropped["gathered"] += 1
+                self.dropped["gathered"] += 1  # malformed: left for the reader, which stops there
                 continue
             linked = self._linked_now(str(item[0]))
             if linked is None or linked.agent != agent or type(item[1]) is not int or not linked.took_gathered(item[1]):
                 self.dropped["gathered"] += 1
+                item[1] = None
                 continue
-            kept.append(item)
             if linked.waiting:
                 due = self._due(linked, lambda held, upto=linked.gathered_upto: held[1]["after"] <= upto)  # type: ignore[misc]
                 released.extend(held[1:] for held in due)
-        header["gathered"] = kept
         return released
 
     def _release_overdue(self) -> None:

@@ -101,7 +101,8 @@ def test_a_reply_for_another_proc_is_dropped_by_the_agent_and_one_for_a_proc_of_
         wait_for(lambda: inbox.of_kind("replies"))
     finally:
         rogue.close()
-    assert inbox.of_kind("replies")[0]["gathered"] == [], "neither pm0.2 (linked to no agent) nor pm0.0 (host0's) is host9's"
+    assert inbox.of_kind("replies")[0]["gathered"] == [["pm0.2#102", None, 2, True, 1], ["pm0.0#100", None, 0, True, 1]], \
+        "neither pm0.2 (linked to no agent) nor pm0.0 (host0's) is host9's: both marked dropped"
     assert controller.dropped["gathered"] == 2
 
 
@@ -128,3 +129,25 @@ def test_a_proc_that_exits_has_its_held_replies_sent_by_flush_all():
     gather.on_link_message(b"pm0.0", [b"%3", *frames])  # the same reply again
     assert gather.dropped == 1 and len(sent) == 1, "a replay is dropped"
     assert reply_gather.GATHER_LINGER_S <= 0.05, "a proc's later messages wait at most this long behind its held reply"
+
+
+def test_a_gathered_reply_the_controller_drops_keeps_its_bytes_so_the_next_ones_read_their_own(cluster, tmp_path):
+    """A host's replies in one message, the first from an incarnation the controller no longer
+    has (a proc restarted meanwhile), the second current: the first is marked dropped (``gk``
+    None), not removed, so each later item's body is still found at its offset."""
+    controller, gather, procs, inbox = cluster
+    signer = Signer(KEY)
+    agent = Channel("host0#2", signer, Inbox())  # a message of host0's agent (another incarnation: its own seq)
+    agent.connect(f"ipc://{tmp_path}/ctl")
+    agent.start()
+    try:
+        agent.send(CONTROLLER, {"kind": "replies", "cid": "c1", "gathered": [["pm0.0#99", 1, 0, True, 5],
+                                                                             ["pm0.1#101", 1, 1, True, 3]]}, b"stalecur")
+        wait_for(lambda: inbox.of_kind("replies"))
+    finally:
+        agent.close()
+    [got] = inbox.of_kind("replies")
+    assert got["gathered"] == [["pm0.0#99", None, 0, True, 5], ["pm0.1#101", 1, 1, True, 3]] and got["body"] == b"stalecur"
+    offset = sum(item[4] for item in got["gathered"][:1])
+    assert got["body"][offset:offset + 3] == b"cur", "pm0.1's reply is its own bytes"
+    assert controller.dropped["gathered"] == 1
