@@ -302,7 +302,7 @@ class Messenger:
         targets = pending.targets
         results: list[tuple[int, Any, BaseException | None]] = []
         for item in header["gathered"]:
-            if len(item) != 5 or type(item[4]) is not int:
+            if len(item) != 5 or type(item[4]) is not int or item[4] < 0 or offset + item[4] > len(view):
                 log.warning("dropped the rest of gathered replies to call %s: a malformed item %r", cid, item)
                 break
             src, gk, index, ok, nbytes = item

@@ -1136,14 +1136,20 @@ class Channel:
         """Check a host agent's gathered replies (each item ``[src, gk, ...]``: a proc linked to
         that agent, its current incarnation, a number not seen); mark the others dropped (``gk``
         None: the item stays, as its reply's bytes stay in the body, so the items after it still
-        find theirs); note the numbers; return the messages held for them, now due, in their order."""
+        find theirs); cut the list at an item that is not a list (its size unknown, the bytes after
+        it cannot be placed); note the numbers; return the messages held for them, now due, in
+        their order."""
         agent = route_id(header["src"]).encode()
         released: list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]] = []
         items = header["gathered"]
-        for item in items if isinstance(items, list) else ():
-            if not isinstance(item, list) or len(item) < 2:
-                self.dropped["gathered"] += 1  # malformed: left for the reader, which stops there
-                continue
+        if not isinstance(items, list):
+            self.dropped["gathered"] += 1
+            items = header["gathered"] = []
+        for position, item in enumerate(items):
+            if not isinstance(item, list) or len(item) < 2:  # malformed (a buggy agent): it and those after it go
+                self.dropped["gathered"] += len(items) - position
+                del items[position:]
+                break
             linked = self._linked_now(str(item[0]))
             if linked is None or linked.agent != agent or type(item[1]) is not int or not linked.took_gathered(item[1]):
                 self.dropped["gathered"] += 1

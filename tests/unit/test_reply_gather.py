@@ -151,3 +151,20 @@ def test_a_gathered_reply_the_controller_drops_keeps_its_bytes_so_the_next_ones_
     offset = sum(item[4] for item in got["gathered"][:1])
     assert got["body"][offset:offset + 3] == b"cur", "pm0.1's reply is its own bytes"
     assert controller.dropped["gathered"] == 1
+
+
+def test_gathered_replies_are_cut_at_an_item_whose_size_cannot_be_known(cluster, tmp_path):
+    """A buggy agent's item that is not a list (a tuple, a string): its bytes cannot be placed,
+    so it and the items after it are dropped, the ones before it kept."""
+    controller, gather, procs, inbox = cluster
+    agent = Channel("host0#3", Signer(KEY), Inbox())
+    agent.connect(f"ipc://{tmp_path}/ctl")
+    agent.start()
+    try:
+        agent.send(CONTROLLER, {"kind": "replies", "cid": "c2", "gathered": [["pm0.1#101", 1, 1, True, 3], ("pm0.0#100", 1, 0, True, 2),
+                                                                             ["pm0.0#100", 1, 0, True, 2]]}, b"curxxyy")
+        wait_for(lambda: inbox.of_kind("replies"))
+    finally:
+        agent.close()
+    [got] = inbox.of_kind("replies")
+    assert got["gathered"] == [["pm0.1#101", 1, 1, True, 3]] and controller.dropped["gathered"] == 2
