@@ -48,10 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY, tick_phase_s  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
-from monarch_nb.runtime.relay import AgentRelay, RelayMember, cast_parts  # noqa: E402
+from monarch_nb.runtime.relay import AgentRelay, RelayMember, pass_cast_down  # noqa: E402
 from monarch_nb.runtime.reply_gather import ReplyGather  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
-from monarch_nb.transport.channel import read_tree_routing  # noqa: E402
 from monarch_nb.transport.wire import BadMessage, Signer, decode, encode, fields_at  # noqa: E402
 
 _NONE, _ZERO = dumps(None)[0], dumps(0)[0]  # what a constructor and the ping endpoint return
@@ -207,16 +206,10 @@ def main() -> int:
     def from_controller(name: str, frames: list) -> None:
         """What a host agent does with the controller's message: the relay tree's, or nothing."""
         first = bytes(frames[0])
-        if procs is not None and first[:2] == b"@@":  # a cast down the tree: ours, and each member's passed on
-            cast, sections = read_tree_routing(first)
-            relay, unreached = relays.get(name), []
-            for host, routing, part in cast_parts(signer, sections, frames[1:]):  # as a real relay: split per host
-                if host.decode() == name:
-                    procs.serve_routed([routing, *part], gathers[name])
-                elif relay is None or not relay.pass_on(host, routing, part):
-                    unreached.append(host.decode())
-            if unreached:
-                send(name, {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached})
+        if procs is not None and first[:2] == b"@@":  # a cast down the tree: ours, and each member's passed on (a real relay's code)
+            unreached = pass_cast_down(signer, relays.get(name), name.encode(), first, frames[1:], to_procs(name))
+            if unreached is not None:
+                send(name, unreached)
             return
         if procs is not None and first[:1] == b"@":  # for its procs (--linked)
             procs.serve_routed(frames, gathers[name])
@@ -235,9 +228,13 @@ def main() -> int:
             if header.get("endpoint"):
                 member = members[name] = RelayMember(f"{name}#{pid}", signer, None, header["relay"], header["endpoint"], interval_s)
                 if procs is not None:  # its part of the casts down the tree
-                    member.on_routed = lambda routes, frames, name=name: procs.serve_routed([b"@" + b",".join(routes), *frames],
-                                                                                         gathers[name])
+                    member.on_routed = to_procs(name)
                     poller.register(member.sock, zmq.POLLIN)
+
+    def to_procs(name: str):
+        """``(routes, frames)``: host ``name``'s part of a cast, for its procs (an agent's link forward)."""
+        assert procs is not None
+        return lambda routes, frames: procs.serve_routed([b"@" + b",".join(routes), *frames], gathers[name])
 
     def leave(name: str) -> None:
         """Host ``name`` stops heartbeating through its relay (if it had one)."""

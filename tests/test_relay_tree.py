@@ -1,11 +1,14 @@
-"""The relay tree of heartbeats with real host agents (monarch_nb.runtime.relay): a LocalJob of 4
-hosts grouped in pairs, so two agents heartbeat through the other two; a relay's agent SIGKILLed."""
+"""The relay tree with real host agents (monarch_nb.runtime.relay): a LocalJob of 4 hosts grouped
+in pairs, so two agents heartbeat through the other two and get casts through them; a relay's
+agent SIGKILLed, or SIGSTOPped holding a cast."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from typing import Any, Iterator
 
 import pytest
 
@@ -19,15 +22,23 @@ from .conftest import hang_deadline_s, local_hosts, pid_alive, wait_until
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def paired_hosts(no_leaked_processes):
-    """4 local hosts in relay pairs (fan-in 2), a Counter on each; the members once the tree formed."""
+@contextlib.contextmanager
+def _paired(no_leaked_processes: set[int], gpus: int) -> Iterator[tuple[Any, Any, Any, Any, dict[str, str]]]:
+    """4 local hosts in relay pairs (fan-in 2), ``gpus`` procs each, a Counter on each proc:
+    (controller, hosts, procs, counters, member -> its relay) once the tree formed."""
     monarch_nb.configure(relay_fan_in=2, relay_min_hosts=2)
-    with local_hosts(no_leaked_processes, hosts=4, gpus=1) as (ctrl, hosts, procs):
+    with local_hosts(no_leaked_processes, hosts=4, gpus=gpus) as (ctrl, hosts, procs):
         counters = procs.spawn("c", Counter)
         members = lambda: {h.name: h.via_relay for h in ctrl.hosts.values() if h.name in hosts.host_names and h.via_relay}  # noqa: E731
         wait_until(lambda: len(members()) == 2, 30, message="two hosts heartbeating through the other two")
         yield ctrl, hosts, procs, counters, members()
+
+
+@pytest.fixture
+def paired_hosts(no_leaked_processes):
+    """:func:`_paired`, one proc a host."""
+    with _paired(no_leaked_processes, gpus=1) as paired:
+        yield paired
 
 
 def test_hosts_heard_through_relays_stay_healthy_and_answer(paired_hosts):
@@ -99,14 +110,9 @@ def test_idle_members_are_heard_on_their_relays_word_and_a_stopped_proc_there_is
 
 @pytest.fixture
 def paired_hosts_of_two(no_leaked_processes):
-    """4 local hosts in relay pairs, 2 procs each (a cast to all 8 goes through the agents), a
-    Counter on each proc; the members once the tree formed."""
-    monarch_nb.configure(relay_fan_in=2, relay_min_hosts=2)
-    with local_hosts(no_leaked_processes, hosts=4, gpus=2) as (ctrl, hosts, procs):
-        counters = procs.spawn("c", Counter)
-        members = lambda: {h.name: h.via_relay for h in ctrl.hosts.values() if h.name in hosts.host_names and h.via_relay}  # noqa: E731
-        wait_until(lambda: len(members()) == 2, 30, message="two hosts heartbeating through the other two")
-        yield ctrl, hosts, procs, counters, members()
+    """:func:`_paired`, two procs a host (a cast to all 8 goes through the agents)."""
+    with _paired(no_leaked_processes, gpus=2) as paired:
+        yield paired
 
 
 def test_a_cast_goes_down_the_tree_one_message_a_relay(paired_hosts_of_two):

@@ -54,19 +54,19 @@ import zmq
 
 from .. import device
 from ..transport import shm
-from ..transport.channel import Channel, read_tree_routing
+from ..transport.channel import Channel
 from ..transport.keys import load_trust
 from ..transport.wire import Header, Signer, route_id
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
 from .reply_gather import ReplyGather
-from .relay import AgentRelay, Relayed, RelayMember, cast_parts
+from .relay import AgentRelay, Relayed, RelayMember, pass_cast_down
 from .signal_stacks import dump_with_signal, os_state
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
                        OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader,
-                       RelayUnreachedHeader, SignalHeader, SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
+                       SignalHeader, SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
 from .workspace_files import FileEntry, WorkspaceCopy
 from .worker_loop import local_ip_for
 
@@ -215,35 +215,17 @@ class HostAgent:
         self.channel.send(CONTROLLER, reply)
 
     def _on_relayed(self, routing: bytes, frames: list[Any]) -> None:
-        """A cast down the relay tree (``@@CAST;HOST=ROUTE,...``), verified and split per host
-        (:func:`~.relay.cast_parts`): our procs' part through the link, each member's over the
-        relay socket; those that cannot be reached named to the controller, which sends them
-        their part straight."""
+        """A cast down the relay tree: our procs' part through the link, each member's over the
+        relay socket (:func:`~.relay.pass_cast_down`); those not reached named to the controller,
+        which sends them their part straight."""
         try:
-            cast, sections = read_tree_routing(routing)
+            unreached = pass_cast_down(self.signer, self.relay, route_id(self.channel.identity).encode(), routing, frames,
+                                       self.link.forward)
         except ValueError as exc:
             log.warning("dropped a cast down the relay tree: %s", exc)
             return
-        try:
-            parts = cast_parts(self.signer, sections, frames)
-        except (ValueError, TypeError, KeyError) as exc:  # BadMessage is a ValueError
-            log.warning("could not split cast %d down the relay tree (%s): its hosts are to get it straight", cast, exc)
-            parts = []
-        if not parts:  # every host named gets its part straight, ours too (a forged cast: the controller has none)
-            message: RelayUnreachedHeader = {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": [h.decode() for h, _ in sections]}
-            self.channel.send(CONTROLLER, message)
-            return
-        own, unreached = route_id(self.channel.identity).encode(), []
-        for host, host_routing, part in parts:
-            if host == own:
-                self.link.forward(host_routing[1:].split(b","), part)
-            elif self.relay is None or not self.relay.pass_on(host, host_routing, part):
-                unreached.append(host.decode())
-        if self.relay is not None:
-            self.relay.on_readable()  # a send may take the socket's edge
-        if unreached:
-            said: RelayUnreachedHeader = {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached}
-            self.channel.send(CONTROLLER, said)
+        if unreached is not None:
+            self.channel.send(CONTROLLER, unreached)
 
     def _on_relay_join(self, header: RelayJoinHeader, body: memoryview, buffers: list[memoryview]) -> None:
         """Heartbeat through the relay named from now on (none: straight to the controller)."""

@@ -59,12 +59,12 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from ..transport.channel import curve_server
+from ..transport.channel import curve_server, read_tree_routing
 from ..transport.keys import Trust
 from ..transport.wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
-from .protocol import AgentHeartbeatHeader, Kind, QuietMember, RelayBeatHeader, RelayedHeartbeat
+from .protocol import AgentHeartbeatHeader, Kind, QuietMember, RelayBeatHeader, RelayedHeartbeat, RelayUnreachedHeader
 
-__all__ = ["AgentRelay", "RelayMember", "RelayTree", "Relayed", "cast_parts", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
+__all__ = ["AgentRelay", "RelayMember", "RelayTree", "Relayed", "cast_parts", "pass_cast_down", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,35 @@ def cast_parts(signer: Signer, sections: list[tuple[bytes, list[bytes]]], frames
     if start != len(fan["to"]):
         raise BadMessage("a cast's fan lists procs its routing frame does not")
     return parts
+
+
+def pass_cast_down(signer: Signer, relay: "AgentRelay | None", own: bytes, routing: bytes, frames: list[Any],
+                   to_own: Callable[[list[bytes], list[Any]], None]) -> RelayUnreachedHeader | None:
+    """What a relay does with a cast down the tree (``routing``: ``@@CAST;HOST=ROUTE,...``, see
+    :func:`~monarch_nb.transport.channel.read_tree_routing`; ``frames``: the signed message): split
+    per host (:func:`cast_parts`), its own host's (``own``) part to ``to_own(routes, part)`` (the
+    link's forward), each member's through ``relay`` (:meth:`AgentRelay.pass_on`). Returns the
+    ``relay_unreached`` to send the controller, naming the hosts not reached (every host of the
+    cast, ours too, when it could not be split), or None when all were.
+
+    Raises:
+        ValueError: ``routing`` is not a relay's routing frame (nothing is passed on).
+    """
+    cast, sections = read_tree_routing(routing)
+    try:
+        parts = cast_parts(signer, sections, frames)
+    except (ValueError, TypeError, KeyError) as exc:  # BadMessage is a ValueError
+        log.warning("could not split cast %d down the relay tree (%s): its hosts are to get it straight", cast, exc)
+        return {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": [host.decode() for host, _ in sections]}
+    unreached = []
+    for host, host_routing, part in parts:
+        if host == own:
+            to_own(host_routing[1:].split(b","), part)
+        elif relay is None or not relay.pass_on(host, host_routing, part):
+            unreached.append(host.decode())
+    if relay is not None:
+        relay.on_readable()  # a send may take the socket's edge
+    return {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached} if unreached else None
 
 
 @dataclass(frozen=True)

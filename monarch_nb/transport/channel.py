@@ -238,7 +238,7 @@ class _FanPlan(NamedTuple):
 
 
 class _Relayed(NamedTuple):
-    """A cast sent down the relay tree, kept for :data:`RELAYED_KEEP_S` (see :meth:`Channel.resend_relayed`):
+    """A cast sent down the relay tree, kept for :attr:`Channel.relayed_keep_s` (see :meth:`Channel.resend_relayed`):
     enough to sign a host's part of it again, with the cast's own ``seq`` and numbers."""
 
     sent_at: float  # time.monotonic()
