@@ -160,6 +160,36 @@ def test_code_written_for_torchrun_runs_unchanged(procs4):
     assert result.values() == [("127.0.0.1", 4, 10.0)] * 4
 
 
+class DdpRounds(Actor):
+    @endpoint
+    def rounds(self, n: int) -> int:
+        """``n`` times what a DDP script does at its end: its last backward, then
+        ``destroy_process_group()`` and the model dropped at once (a ``main()`` returning)."""
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        for _ in range(n):
+            dist.init_process_group("gloo")
+            model = DistributedDataParallel(torch.nn.Linear(8, 1))
+            for _ in range(3):
+                model(torch.randn(4, 8)).sum().backward()
+            dist.destroy_process_group()
+            del model
+        return n
+
+
+def test_a_ddp_model_dropped_right_after_its_group_was_destroyed_never_deadlocks_the_proc(no_leaked_processes):
+    # torch frees the group in the DDP reducer's destructor holding the GIL, while a gloo worker
+    # still dropping its last collective waits for the GIL: without the runtime holding destroyed
+    # groups, a proc deadlocked within ~5 rounds and was fenced as hung
+    procs = monarch_nb.this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        assert procs.spawn("d", DdpRounds).rounds.call(20).get(timeout=120).values() == [20, 20]
+    finally:
+        procs.stop()
+
+
 @pytest.mark.slow
 def test_many_procs_on_two_cores_import_torch_in_turn_without_being_fenced(no_leaked_processes):
     count = 12  # 6 per core here: each import of torch takes seconds of CPU, far past the hang timeout

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..runtime.proc import PeerFailure, Proc
 
-__all__ = ["install", "failure_note", "looks_like_a_peer_error", "GroupFollower", "PeerDeadError"]
+__all__ = ["install", "failure_note", "looks_like_a_peer_error", "release_destroyed_groups", "GroupFollower",
+           "PeerDeadError"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class GroupFollower:
         self.connections: dict[int, str] = {}  # fd -> "socket:[inode]" the default group's init opened
         self.round_seen = ""  # the rendezvous round of the last group formed here
         self.groups_in_round = 0  # groups formed from the mesh's environment in that round
+        self.destroyed: list[Any] = []  # groups destroyed here, kept until nothing else holds them
         self._wrapped = False
         self._lock = threading.Lock()
 
@@ -115,6 +117,7 @@ class GroupFollower:
 
         @functools.wraps(original)
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            follower.release_destroyed()
             if follower._trainer_owns_groups():
                 return original(*args, **kwargs)
             follower.before_init(dist, kwargs)
@@ -133,12 +136,41 @@ class GroupFollower:
             if group is None and follower.released and not dist.is_initialized():
                 follower.released = False  # the group this plugin released: it is gone already
                 return None
+            follower.keep_destroyed(dist, group)
             return original_destroy(group)
 
         for module in (dist, getattr(dist, "distributed_c10d", None)):
             if module is not None:
                 module.init_process_group = init_process_group
                 module.destroy_process_group = destroy_process_group
+
+    def keep_destroyed(self, dist: Any, group: Any) -> None:
+        """Hold the groups ``destroy_process_group(group)`` is about to destroy (all of them for
+        None) until :meth:`release_destroyed`.
+
+        Why: a ``DistributedDataParallel`` dropped right after its group was destroyed (a
+        script's ``destroy_process_group()`` and then its ``main()`` returning) frees the group
+        in its reducer's destructor, which torch runs holding the GIL; gloo's destructor joins its
+        worker threads, and a worker still dropping the last collective it ran needs the GIL for
+        that: the proc deadlocks, its heartbeats stop and it is fenced as hung (seen in CI, 1 run
+        in ~8; a two-process loop of init, DDP, backward, destroy and drop deadlocked within 5
+        rounds, torch 2.13, pytorch/pytorch#56297). Held here, the group's last reference is this
+        list's, whose release goes through the ``ProcessGroup`` binding that lets the GIL go."""
+        world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+        try:
+            groups = list(world.pg_map) if group is None and world is not None else [group]
+        except Exception:  # a torch whose registry of groups looks otherwise: nothing to hold
+            return
+        with self._lock:
+            self.destroyed.extend(g for g in groups if g is not None)
+
+    def release_destroyed(self) -> None:
+        """Drop the destroyed groups held by :meth:`keep_destroyed` (at the next
+        ``init_process_group`` and at the end of a script's run: the objects that used them are
+        gone by then, so this is their last reference)."""
+        with self._lock:
+            held, self.destroyed = self.destroyed, []
+        del held  # each group's destructor runs here, the GIL let go while gloo joins its threads
 
     def before_init(self, dist: Any, kwargs: dict) -> None:
         """Raises PeerDeadError if the group would span the mesh while a rank of it is dead;
@@ -324,8 +356,19 @@ def failure_note(since: float, wait_s: float = 0.0) -> str:
             "dist.init_process_group() forms a new one over every rank")
 
 
+_follower: GroupFollower | None = None  # this proc's (one proc a process)
+
+
+def release_destroyed_groups() -> None:
+    """Drop the process groups this proc's scripts and cells destroyed (see
+    :meth:`GroupFollower.keep_destroyed`); for the end of a script's run."""
+    if _follower is not None:
+        _follower.release_destroyed()
+
+
 def install(proc: "Proc") -> None:
-    follower = GroupFollower(proc)
+    global _follower
+    follower = _follower = GroupFollower(proc)
     proc.add_peer_failure_hook(follower.on_peer_failure)
     dist = sys.modules.get("torch.distributed")
     if dist is not None:  # a spare imported it before it took this rank
