@@ -16,7 +16,7 @@ import monarch_nb
 from monarch_nb.config import config
 from monarch_nb.supervision.records import ProcState
 
-from .actors import Counter
+from .actors import Counter, Worker
 from .conftest import hang_deadline_s, local_hosts, pid_alive, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,6 +29,7 @@ def _paired(no_leaked_processes: set[int], gpus: int) -> Iterator[tuple[Any, Any
     monarch_nb.configure(relay_fan_in=2, relay_min_hosts=2)
     with local_hosts(no_leaked_processes, hosts=4, gpus=gpus) as (ctrl, hosts, procs):
         counters = procs.spawn("c", Counter)
+        counters.initialized.get(timeout=60)  # its replies in: a test's counts start after them
         members = lambda: {h.name: h.via_relay for h in ctrl.hosts.values() if h.name in hosts.host_names and h.via_relay}  # noqa: E731
         wait_until(lambda: len(members()) == 2, 30, message="two hosts heartbeating through the other two")
         yield ctrl, hosts, procs, counters, members()
@@ -117,10 +118,11 @@ def paired_hosts_of_two(no_leaked_processes):
 
 def test_a_cast_goes_down_the_tree_one_message_a_relay(paired_hosts_of_two):
     ctrl, hosts, procs, counters, members = paired_hosts_of_two
-    before, straight = ctrl.channel.sent_via_relays, ctrl.channel.received["reply"]
+    before, straight, up = ctrl.channel.sent_via_relays, ctrl.channel.received["reply"], ctrl.channel.replies_via_relays
     assert counters.incr.call(1).get(timeout=10).values() == [1] * 8
     assert ctrl.channel.sent_via_relays - before == 2  # one message a relay: its own procs' part and its member's
     assert ctrl.channel.received["reply"] == straight, "every reply gathered by its host's agent"
+    assert ctrl.channel.replies_via_relays - up == 4, "the members' procs' replies came up through their relays"
     counters.incr.broadcast(2)
     assert counters.get_value.call().get(timeout=10).values() == [3] * 8
     assert ctrl.channel.sent_via_relays - before == 6 and ctrl.channel.resent_relayed == 0  # three casts
@@ -147,6 +149,32 @@ def test_a_cast_held_by_a_stopped_relay_reaches_its_member_straight(paired_hosts
     lost = ctrl.events.wait_for(lambda e: e.kind == "host_lost" and e.host == relay, hang_deadline_s() + 1, since)
     assert lost is not None
     assert [e.host for e in ctrl.events.events("host_lost", since_seq=since)] == [relay]
+    wait_until(lambda: ctrl.hosts[relay].state == ProcState.HEALTHY and ctrl.hosts[relay].pid not in (0, agent), 30,
+               message=f"{relay} attached again")
+    wait_until(lambda: not pid_alive(agent), 10, message="the killed agent gone")
+
+
+def test_replies_held_by_a_stopped_relay_reach_the_controller_straight(paired_hosts_of_two):
+    ctrl, hosts, procs, counters, members = paired_hosts_of_two
+    member, relay = sorted(members.items())[0]
+    host_index = {ctrl.proc_record(procs.name, r).host: r // 2 for r in range(8)}
+    workers = procs.spawn("w", Worker)
+    workers.initialized.get(timeout=60)
+    workers = workers.slice(hosts=host_index[member])
+    straight = ctrl.channel.received["reply"]
+    agent = ctrl.hosts[relay].pid
+    fan_min = ctrl.channel.fan_min_procs, ctrl.channel.fan_min_hosts
+    ctrl.channel.fan_min_procs = ctrl.channel.fan_min_hosts = 1  # a call to one host's two procs goes through its agent
+    call = workers.sleep.call(0.2)  # the member's two procs answer after 0.2 s: its agent sends their replies up
+    os.kill(agent, signal.SIGSTOP)  # ... to a relay that takes them in and passes nothing on
+    try:
+        # the member leaves its silent relay (~3 intervals) and sends the replies it sent through it straight
+        assert call.get(timeout=hang_deadline_s()).values() == [0.2, 0.2]
+        assert ctrl.hosts[member].via_relay != relay
+        assert ctrl.channel.received["reply"] == straight, "gathered by the member's agent, not sent by each proc"
+    finally:
+        ctrl.channel.fan_min_procs, ctrl.channel.fan_min_hosts = fan_min
+        os.kill(agent, signal.SIGKILL)
     wait_until(lambda: ctrl.hosts[relay].state == ProcState.HEALTHY and ctrl.hosts[relay].pid not in (0, agent), 30,
                message=f"{relay} attached again")
     wait_until(lambda: not pid_alive(agent), 10, message="the killed agent gone")

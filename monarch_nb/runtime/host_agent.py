@@ -60,12 +60,12 @@ from ..transport.wire import Header, Signer, route_id
 from .forkserver import ForkedProc, ForkServer, ServerState, become_subreaper, server_key
 from .heartbeat_relay import HeartbeatRelay, IdleCadence, tick_phase_s
 from .proc_link import AgentLink
-from .reply_gather import ReplyGather
-from .relay import AgentRelay, Relayed, RelayMember, pass_cast_down
+from .reply_gather import KeptReplies, ReplyGather, ReplyMerge
+from .relay import RELAY_SILENT_INTERVALS, AgentRelay, Relayed, RelayMember, pass_cast_down
 from .signal_stacks import dump_with_signal, os_state
 from .launch import RUN_DIR_PREFIX, spare_proc_env, sweep_stale_run_dirs
 from .protocol import (CONTROLLER, AgentEnv, AgentExit, AgentExitingHeader, AgentHeartbeatHeader, AgentHelloHeader, Handler, Kind,
-                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader,
+                       OutputHeader, ProcEnv, ProcExitedHeader, ProcSpawnedHeader, ProcStacksHeader, RelayJoinHeader, RelayReadyHeader, RepliesHeader,
                        SignalHeader, SparesHeader, WorkspaceHeader, WorkspaceSyncedHeader)
 from .workspace_files import FileEntry, WorkspaceCopy
 from .worker_loop import local_ip_for
@@ -161,7 +161,9 @@ class HostAgent:
         self.channel.on_routed = self.link.forward
         self.channel.on_relayed = self._on_relayed  # a cast down the relay tree, for our procs and our members'
         # our procs' replies to a cast, sent to the controller as one message
-        self.replies = ReplyGather(self.signer, lambda header, body: self.channel.send(CONTROLLER, header, body), self.channel.call_later)
+        self.replies = ReplyGather(self.signer, self._send_replies, self.channel.call_later)
+        # those sent up to our relay lately, sent straight if we leave it (it may have been lost holding them)
+        self.kept_replies = KeptReplies(2 * RELAY_SILENT_INTERVALS * env.heartbeat_interval_s + 1.0)
         self.link.on_gathered = self.replies.on_link_message
         self.cadence = IdleCadence()  # an idle host's heartbeat every second interval
         self.subreaper = become_subreaper()
@@ -206,6 +208,7 @@ class HostAgent:
         try:
             if self.relay is None:
                 relay = AgentRelay(self.channel.identity, self.signer, self.trust, _local_ip_toward(self.env.controller))
+                relay.merge = ReplyMerge(lambda header, body: self.channel.send(CONTROLLER, header, body), self.channel.call_later)
                 self.channel.add_reader(relay.fd, relay.on_readable)
                 self.relay = relay
             reply["endpoint"] = self.relay.endpoint
@@ -251,6 +254,21 @@ class HostAgent:
             self.channel.remove_reader(self.member.fd)
             self.member.close()
             self.member = None
+            kept = self.kept_replies.take()
+            for header, body in kept:  # the relay may have been lost holding them: the controller drops those it had
+                self.channel.send(CONTROLLER, header, body)
+            if kept:
+                log.info("host %s left its relay: %d gathered replies sent through it lately sent straight", self.name, len(kept))
+
+    def _send_replies(self, header: RepliesHeader, body: bytes) -> None:
+        """Our procs' gathered replies to a call: up to our relay (kept for a resend), into our
+        own merge when we relay, else straight to the controller."""
+        if self.member is not None and self.member.send_replies(header, body):
+            self.kept_replies.add(header, body)
+        elif self.relay is not None and self.relay.merge is not None:
+            self.relay.merge.add(header, body)
+        else:
+            self.channel.send(CONTROLLER, header, body)
 
     def _on_spawn_procs(self, header: Header, body: memoryview, buffers: list[memoryview]) -> None:
         for spec in json.loads(bytes(body)):

@@ -346,6 +346,7 @@ class Hosts:
                     joins = self.tree.lose(name)
                 self._send_joins(joins)
                 self.ctrl.channel.cast_through(name, None)
+                self.ctrl.channel.relay_serves(name, False)
                 if self.records.pop(name, None) is not None:
                     self.ctrl.channel.send(name, {"kind": Kind.SHUTDOWN})
 
@@ -360,6 +361,7 @@ class Hosts:
                 joins = self.tree.lose(record.name)
             self._send_joins(joins)
             self._set_relay(record, "")
+            self.ctrl.channel.relay_serves(record.name, False)
             record.state = ProcState.HEALTHY
             record.last_heartbeat = time.monotonic()
             record.ready.set()
@@ -416,6 +418,8 @@ class Hosts:
         name = route_id(header["src"])
         if header.get("error"):
             log.warning("host %s cannot relay heartbeats (%s): its group heartbeats straight", name, header["error"])
+        else:
+            self.ctrl.channel.relay_serves(name, True)  # its members' replies come merged in its own
         with self._tree_lock:
             joins = self.tree.ready(name, str(header.get("endpoint") or ""))
         self._send_joins(joins)

@@ -138,11 +138,15 @@ class ReplyHeader(Header):
     ok: bool
 
 
-class RepliesHeader(Header):
+class _RepliesCount(TypedDict, total=False):
+    n: int  # up the relay tree: how many of the call's procs on the sender's host this accounts for (gathered or straight)
+
+
+class RepliesHeader(Header, _RepliesCount):
     """REPLIES: a host agent's gathering of its procs' replies to call ``cid``: ``gathered`` holds
     ``[src, gk, idx, ok, nbytes]`` per reply (the proc's identity, its gathered-reply number,
     the ReplyHeader's ``idx`` and ``ok``, the length of its body); the bodies follow one another
-    in the message's body, in that order."""
+    in the message's body, in that order. From a relay: its hosts' replies to the call, merged."""
 
     cid: str
 

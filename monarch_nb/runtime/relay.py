@@ -19,8 +19,12 @@ entries alone, signed again), its own procs' part through its link and each memb
 socket (:meth:`AgentRelay.pass_on`, :meth:`RelayMember.on_readable`; see
 ``monarch_nb.transport.channel``, "Down the relay tree"). A part the relay cannot pass on it names to the controller
 (:data:`~.protocol.Kind.RELAY_UNREACHED`), and a member that leaves its relay gets the casts of the
-last seconds straight again; the procs' numbering drops what came twice. Everything else keeps its
-path: a proc's exit (the agent's SIGCHLD), an agent's hello or exit, output, spawns, signals and
+last seconds straight again; the procs' numbering drops what came twice. A call to all's replies
+go back up the same way: a member sends its host's gathered replies to its relay
+(:meth:`RelayMember.send_replies`), which merges those of its hosts to a call it split into one
+message (:class:`~.reply_gather.ReplyMerge`); a member that leaves its relay sends what it sent
+through it lately straight (:class:`~.reply_gather.KeptReplies`), and the controller drops a
+reply it had by its number. Everything else keeps its path: a proc's exit (the agent's SIGCHLD), an agent's hello or exit, output, spawns, signals and
 messages to one proc go straight between the controller and each agent, so detection of a kill
 does not change, and neither does any supervision guarantee. What changes:
 
@@ -62,7 +66,8 @@ import zmq
 from ..transport.channel import curve_server, read_tree_routing
 from ..transport.keys import Trust
 from ..transport.wire import BadMessage, ReplayGuard, Signer, decode, encode, route_id
-from .protocol import AgentHeartbeatHeader, Kind, QuietMember, RelayBeatHeader, RelayedHeartbeat, RelayUnreachedHeader
+from .protocol import AgentHeartbeatHeader, Kind, QuietMember, RelayBeatHeader, RelayedHeartbeat, RelayUnreachedHeader, RepliesHeader
+from .reply_gather import ReplyMerge
 
 __all__ = ["AgentRelay", "RelayMember", "RelayTree", "Relayed", "cast_parts", "pass_cast_down", "RELAY_SILENT_INTERVALS", "RELAY_READY_TIMEOUT_S"]
 
@@ -89,12 +94,14 @@ def _socket(kind: int) -> "zmq.Socket[Any]":
     return sock
 
 
-def cast_parts(signer: Signer, sections: list[tuple[bytes, list[bytes]]], frames: list[Any]) -> list[tuple[bytes, bytes, list[Any]]]:
+def cast_parts(signer: Signer, sections: list[tuple[bytes, list[bytes]]],
+               frames: list[Any]) -> tuple[str | None, list[tuple[bytes, bytes, list[Any]]]]:
     """A cast down the tree (``frames``: signed by the controller, ``fan`` listing every host's
     procs in the order of ``sections``, its routing frame's: :func:`~monarch_nb.transport.channel.read_tree_routing`)
     split per host: ``(host, its routing frame @ROUTE,..., its part)``, the part the controller's
     header with that host's ``fan`` entries alone (its ``seq`` and numbers kept), signed again
-    with the cluster key, so each proc reads its host's entries, not the whole tree's.
+    with the cluster key, so each proc reads its host's entries, not the whole tree's. Returned
+    with the call's id when its replies are gathered (``gth``; else None).
 
     Raises:
         BadMessage: not signed with the cluster key, with buffers, or its ``fan`` not the sections'.
@@ -114,7 +121,8 @@ def cast_parts(signer: Signer, sections: list[tuple[bytes, list[bytes]]], frames
         start = end
     if start != len(fan["to"]):
         raise BadMessage("a cast's fan lists procs its routing frame does not")
-    return parts
+    cid = header.get("cid")
+    return (cid if header.get("gth") and isinstance(cid, str) else None), parts
 
 
 def pass_cast_down(signer: Signer, relay: "AgentRelay | None", own: bytes, routing: bytes, frames: list[Any],
@@ -122,19 +130,23 @@ def pass_cast_down(signer: Signer, relay: "AgentRelay | None", own: bytes, routi
     """What a relay does with a cast down the tree (``routing``: ``@@CAST;HOST=ROUTE,...``, see
     :func:`~monarch_nb.transport.channel.read_tree_routing`; ``frames``: the signed message): split
     per host (:func:`cast_parts`), its own host's (``own``) part to ``to_own(routes, part)`` (the
-    link's forward), each member's through ``relay`` (:meth:`AgentRelay.pass_on`). Returns the
-    ``relay_unreached`` to send the controller, naming the hosts not reached (every host of the
-    cast, ours too, when it could not be split), or None when all were.
+    link's forward), each member's through ``relay`` (:meth:`AgentRelay.pass_on`). A call whose
+    replies gather is told to the relay's :class:`~.reply_gather.ReplyMerge` first, with how
+    many procs of its hosts gather them. Returns the ``relay_unreached`` to send the controller,
+    naming the hosts not reached (every host of the cast, ours too, when it could not be split),
+    or None when all were.
 
     Raises:
         ValueError: ``routing`` is not a relay's routing frame (nothing is passed on).
     """
     cast, sections = read_tree_routing(routing)
     try:
-        parts = cast_parts(signer, sections, frames)
+        cid, parts = cast_parts(signer, sections, frames)
     except (ValueError, TypeError, KeyError) as exc:  # BadMessage is a ValueError
         log.warning("could not split cast %d down the relay tree (%s): its hosts are to get it straight", cast, exc)
         return {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": [host.decode() for host, _ in sections]}
+    if cid is not None and relay is not None and relay.merge is not None:  # a host's procs gather from two on
+        relay.merge.expect(cid, sum(len(routes) for _, routes in sections if len(routes) > 1))
     unreached = []
     for host, host_routing, part in parts:
         if host == own:
@@ -209,6 +221,9 @@ class AgentRelay:
         self.passed = 0
         self.casts_passed = 0
         self.unreached = 0
+        #: the relay's merging of its hosts' gathered replies (the agent sets it); None: a
+        #: member's ``replies`` are dropped
+        self.merge: ReplyMerge | None = None
 
     @property
     def fd(self) -> int:
@@ -216,7 +231,8 @@ class AgentRelay:
         return int(self.sock.getsockopt(zmq.FD))
 
     def on_readable(self, fd: int = -1) -> None:
-        """Take every member heartbeat waiting: verified, replay-guarded, merged per member."""
+        """Take every member message waiting (verified, replay-guarded): heartbeats, merged per
+        member; gathered replies, to :attr:`merge`."""
         sock = self.sock
         while int(sock.getsockopt(_EVENTS)) & _POLLIN:
             try:
@@ -225,12 +241,13 @@ class AgentRelay:
                 return
             route = frames[0].bytes
             try:
-                header, _, _ = decode(self._signer, frames[1:])
+                header, body, buffers = decode(self._signer, frames[1:])
             except BadMessage as exc:
                 self.dropped["bad"] += 1
                 log.warning("relay %s dropped a bad message: %s", self.identity, exc)
                 continue
-            if header["kind"] != Kind.AGENT_HEARTBEAT:
+            kind = header["kind"]
+            if kind != Kind.AGENT_HEARTBEAT and (kind != Kind.REPLIES or self.merge is None or buffers):
                 self.dropped["not a heartbeat"] += 1
                 continue
             if route_id(header["src"]).encode() != route:
@@ -238,6 +255,14 @@ class AgentRelay:
                 continue
             if not self._guard.accept(header):
                 self.dropped["replayed"] += 1
+                continue
+            if kind == Kind.REPLIES:
+                if not isinstance(header.get("cid"), str) or not isinstance(header.get("gathered"), list):
+                    self.dropped["bad replies"] += 1
+                    continue
+                merge = self.merge
+                if merge is not None:
+                    merge.add(header, bytes(body))  # type: ignore[arg-type]  # checked: a call's replies
                 continue
             self._merge(route.decode(), header)  # type: ignore[arg-type]  # checked kind: an agent heartbeat
             self._members[route] = time.monotonic()
@@ -380,6 +405,17 @@ class RelayMember:
             age = header.get("controller_age_s")
             if isinstance(age, (int, float)) and age >= 0:
                 self.controller_heard = now - float(age)
+
+    def send_replies(self, header: RepliesHeader, body: bytes) -> bool:
+        """Sign and send this host's gathered replies to a call up to the relay (never blocks).
+        False: not sent (the relay's queue is full); the caller sends them straight."""
+        self._seq += 1
+        header["src"], header["dst"], header["seq"] = self.identity, self.relay, self._seq
+        try:
+            self.sock.send_multipart(encode(self._signer, header, body), _NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def silent(self) -> bool:
         """The relay has not beaten for :data:`RELAY_SILENT_INTERVALS` intervals."""

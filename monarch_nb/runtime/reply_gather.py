@@ -18,12 +18,23 @@ before the agent reports the exit (:meth:`ReplyGather.flush_all`), so a call see
 proc gave before it died. The order against the proc's other messages is kept by the
 controller's channel (``gk`` / ``after``: see :mod:`monarch_nb.transport.channel`).
 
+Up the relay tree (:mod:`.relay`): a member agent sends its ``replies`` to its relay instead
+(:meth:`RelayMember.send_replies <monarch_nb.runtime.relay.RelayMember.send_replies>`), each
+saying how many of the call's procs it accounts for (``n``: those gathered and those that went
+straight), and keeps what it sent (:class:`KeptReplies`) for the seconds in which its relay may
+be lost holding them: leaving its relay, it sends them straight (the controller drops a reply it
+had by its number, ``gk``). The relay merges its hosts' ``replies`` to a call it split
+(:class:`ReplyMerge`: it knows how many of its hosts' procs gather) into one message, once all
+came or :data:`RELAY_LINGER_S` after the first; the controller takes the items of any proc
+linked to one of its agents from a serving relay (``Channel.relay_serves``).
+
 Monarch's host-level actors gather replies for a cast the same way (accumulators that reduce a
 mesh's replies on the way up); here the agent only bundles them, the values stay per rank.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Callable
@@ -31,7 +42,7 @@ from typing import Any, Callable
 from ..transport.wire import BadMessage, Header, ReplayGuard, Signer, decode, route_id
 from .protocol import CONTROLLER, Kind, RepliesHeader
 
-__all__ = ["ReplyGather", "GATHER_LINGER_S"]
+__all__ = ["ReplyGather", "ReplyMerge", "KeptReplies", "GATHER_LINGER_S", "RELAY_LINGER_S"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,10 @@ log = logging.getLogger(__name__)
 #: the others costs it nothing; what is held up is the proc's later messages to the controller
 #: (its channel holds them behind the gathered replies), for at most this long.
 GATHER_LINGER_S = 0.01
+#: Seconds a relay holds a call's replies from its hosts for the rest (the first's age): longer
+#: than at an agent, as a member's replies come after its own gather's linger and a hop more than
+#: the relay's own procs' (they get their part of the cast first). What is held up is as above.
+RELAY_LINGER_S = 0.05
 #: Seconds after which a call's entry whose replies were all sent but not all seen is forgotten
 #: (a rank that died before it answered, a reply lost with its proc).
 _FORGET_S = 60.0
@@ -50,10 +65,10 @@ class _Gather:
     """One call's replies at this agent: how many of this host's procs it went to, how many
     answered (gathered or straight), and the replies held (items and bodies, in arrival order)."""
 
-    __slots__ = ("expected", "seen", "items", "bodies", "touched_at")
+    __slots__ = ("expected", "seen", "flushed_seen", "items", "bodies", "touched_at")
 
     def __init__(self, expected: int, now: float) -> None:
-        self.expected, self.seen = expected, 0
+        self.expected, self.seen, self.flushed_seen = expected, 0, 0
         self.items: list[list[Any]] = []
         self.bodies: list[bytes] = []
         self.touched_at = now
@@ -73,7 +88,7 @@ class ReplyGather:
             failed verification (bad signature, replayed, a proc speaking for another).
     """
 
-    def __init__(self, signer: Signer, send: Callable[[Header, bytes], None], call_later: Callable[[float, Callable[[], None]], None],
+    def __init__(self, signer: Signer, send: Callable[[RepliesHeader, bytes], None], call_later: Callable[[float, Callable[[], None]], None],
                  linger_s: float = GATHER_LINGER_S) -> None:
         self._signer, self._send, self._call_later, self.linger_s = signer, send, call_later, linger_s
         self._guard = ReplayGuard()
@@ -150,8 +165,119 @@ class ReplyGather:
     def _flush(self, cid: str, gather: _Gather) -> None:
         if not gather.items:
             return
-        header: RepliesHeader = {"kind": Kind.REPLIES, "cid": cid, "gathered": gather.items}
+        header: RepliesHeader = {"kind": Kind.REPLIES, "cid": cid, "gathered": gather.items, "n": gather.seen - gather.flushed_seen}
         self._send(header, b"".join(gather.bodies))
         self.sent += 1
         self.gathered += len(gather.items)
-        gather.items, gather.bodies = [], []
+        gather.items, gather.bodies, gather.flushed_seen = [], [], gather.seen
+
+
+class _Merge:
+    """One call's replies at a relay: how many of its hosts' procs gather them, how many are
+    accounted for (``n`` of the ``replies`` merged), the items and bodies held."""
+
+    __slots__ = ("expected", "got", "items", "bodies", "touched_at")
+
+    def __init__(self, expected: int, now: float) -> None:
+        self.expected, self.got = expected, 0
+        self.items: list[list[Any]] = []
+        self.bodies: list[bytes] = []
+        self.touched_at = now
+
+
+class ReplyMerge:
+    """A relay's merging of its hosts' gathered replies to a call it split (on the agent's loop
+    thread only): one ``replies`` message to the controller for the relay's hosts, not one a host.
+
+    Args:
+        send: ``send(header, body)``: sign and send one ``replies`` message to the controller.
+        call_later: ``call_later(delay_s, fn)`` on the agent's loop.
+        linger_s: seconds after a call's first held ``replies`` at which what is held goes (the
+            rest as it comes): :data:`RELAY_LINGER_S`.
+
+    Attributes:
+        sent: ``replies`` messages sent to the controller; ``merged``: ``replies`` taken in.
+    """
+
+    def __init__(self, send: Callable[[RepliesHeader, bytes], None], call_later: Callable[[float, Callable[[], None]], None],
+                 linger_s: float = RELAY_LINGER_S) -> None:
+        self._send, self._call_later, self.linger_s = send, call_later, linger_s
+        self._merges: dict[str, _Merge] = {}
+        self.sent = self.merged = 0
+
+    def expect(self, cid: str, procs: int) -> None:
+        """Call ``cid`` was split here to ``procs`` procs that gather their replies (on hosts with
+        two or more of them: a single proc's reply goes straight)."""
+        if procs > 0:
+            now = time.monotonic()
+            self._merges[cid] = _Merge(procs, now)
+            if len(self._merges) > 64:  # now and then: forget calls whose replies did not all come
+                cutoff = now - _FORGET_S
+                for key in [key for key, m in self._merges.items() if not m.items and m.touched_at < cutoff]:
+                    del self._merges[key]
+
+    def add(self, header: RepliesHeader, body: bytes) -> None:
+        """A host's ``replies`` (this relay's own or a member's, verified): held with the others
+        of its call, or sent on at once for a call not split here (its cast came straight)."""
+        cid, items = header["cid"], header["gathered"]
+        self.merged += 1
+        merge = self._merges.get(cid)
+        if merge is None:
+            self._send({"kind": Kind.REPLIES, "cid": cid, "gathered": items}, body)
+            self.sent += 1
+            return
+        if not merge.items:
+            self._call_later(self.linger_s, lambda: self._linger(cid, merge))
+        merge.items.extend(items)
+        merge.bodies.append(body)
+        n = header.get("n")
+        merge.got += n if type(n) is int and n > 0 else len(items)
+        merge.touched_at = time.monotonic()
+        if merge.got >= merge.expected:
+            self._flush(cid, merge)
+            del self._merges[cid]
+
+    def _linger(self, cid: str, merge: _Merge) -> None:
+        if self._merges.get(cid) is merge:
+            self._flush(cid, merge)
+
+    def _flush(self, cid: str, merge: _Merge) -> None:
+        if merge.items:
+            self._send({"kind": Kind.REPLIES, "cid": cid, "gathered": merge.items}, b"".join(merge.bodies))
+            self.sent += 1
+            merge.items, merge.bodies = [], []
+
+
+class KeptReplies:
+    """What a member agent sent up through its relay in the last ``keep_s`` seconds (the agent's
+    loop thread only), to send straight if it leaves the relay: a relay lost (killed, stopped,
+    cut off) may hold them, and a call's future waits for every reply.
+
+    Args:
+        keep_s: seconds a ``replies`` message is kept; longer than a member takes to find its
+            relay silent (:data:`~monarch_nb.runtime.relay.RELAY_SILENT_INTERVALS` intervals).
+        max_bytes: at most this many bytes of bodies are kept (the oldest go first, logged).
+    """
+
+    def __init__(self, keep_s: float, max_bytes: int = 64 << 20) -> None:
+        self.keep_s, self.max_bytes = keep_s, max_bytes
+        self._kept: collections.deque[tuple[float, RepliesHeader, bytes]] = collections.deque()
+        self._bytes = 0
+
+    def add(self, header: RepliesHeader, body: bytes) -> None:
+        now = time.monotonic()
+        self._kept.append((now, {"kind": Kind.REPLIES, "cid": header["cid"], "gathered": header["gathered"]}, body))
+        self._bytes += len(body)
+        while self._kept and (self._kept[0][0] < now - self.keep_s or self._bytes > self.max_bytes):
+            sent_at, _, old = self._kept.popleft()
+            self._bytes -= len(old)
+            if sent_at >= now - self.keep_s:
+                log.warning("dropped replies kept for a resend: over %d bytes kept", self.max_bytes)
+
+    def take(self) -> list[tuple[RepliesHeader, bytes]]:
+        """Those kept, oldest first (and forget them)."""
+        cutoff = time.monotonic() - self.keep_s
+        kept = [(header, body) for sent_at, header, body in self._kept if sent_at >= cutoff]
+        self._kept.clear()
+        self._bytes = 0
+        return kept

@@ -375,6 +375,7 @@ class Channel:
         self._plans: dict[tuple[str, ...], _FanPlan] = {}  # ROUTER: casts' plans by their destinations
         self._relay_of: dict[bytes, bytes] = {}  # ROUTER: host agent -> the relay its casts go through
         self._relays: set[bytes] = set()  # ROUTER: the relays of _relay_of
+        self._serving_relays: frozenset[bytes] = frozenset()  # ROUTER: agents serving as relays (gathered replies of others)
         self._relayed: collections.OrderedDict[int, _Relayed] = collections.OrderedDict()  # ROUTER: casts kept, by number
         self._relayed_no = 0
         self._relayed_bytes = 0
@@ -421,6 +422,7 @@ class Channel:
         self.sent_via_agents = 0  # ROUTER: messages sent through a host agent (a cast to N procs of a host: one)
         self.sent_via_relays = 0  # ROUTER: messages sent down the relay tree (a cast to the hosts of a relay: one)
         self.resent_relayed = 0  # ROUTER: a host's part of such a cast sent to it straight again
+        self.replies_via_relays = 0  # ROUTER: gathered replies taken from a relay for procs of its members
         self._fan_min_procs = FAN_MIN_PROCS
         self._fan_min_hosts = FAN_MIN_HOSTS
         self.address: str | None = None
@@ -700,6 +702,16 @@ class Channel:
                 self._relay_of[host] = route_id(relay).encode()
             self._relays = set(self._relay_of.values())
             self._plans_version += 1
+
+    def relay_serves(self, agent: str, serving: bool) -> None:
+        """Host ``agent`` serves as a relay (or no longer does: a fresh agent, a detached host):
+        the gathered replies it sends may hold its members' procs' (merged up the tree), which
+        are taken as from their own agents (each still a linked proc's, its current incarnation,
+        a number not seen). Not the casts' plan (:meth:`cast_through`): a member sends its
+        replies up as soon as it joins, before the controller hears it through the relay."""
+        host = route_id(agent).encode()
+        with self._lock:
+            self._serving_relays = self._serving_relays | {host} if serving else self._serving_relays - {host}
 
     def resend_relayed(self, relay: str, hosts: Sequence[str], cast: int | None = None) -> int:
         """Send ``hosts`` their parts of the casts sent down the tree through ``relay`` (of cast
@@ -1134,12 +1146,14 @@ class Channel:
 
     def _take_gathered(self, header: Header) -> list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]]:
         """Check a host agent's gathered replies (each item ``[src, gk, ...]``: a proc linked to
-        that agent, its current incarnation, a number not seen); mark the others dropped (``gk``
+        that agent, or to any agent when it serves as a relay, its current incarnation, a number
+        not seen); mark the others dropped (``gk``
         None: the item stays, as its reply's bytes stay in the body, so the items after it still
         find theirs); cut the list at an item that is not a list (its size unknown, the bytes after
         it cannot be placed); note the numbers; return the messages held for them, now due, in
         their order."""
         agent = route_id(header["src"]).encode()
+        relaying = agent in self._serving_relays
         released: list[tuple[Header, memoryview, list[memoryview], list[Any], bytes | None]] = []
         items = header["gathered"]
         if not isinstance(items, list):
@@ -1151,10 +1165,13 @@ class Channel:
                 del items[position:]
                 break
             linked = self._linked_now(str(item[0]))
-            if linked is None or linked.agent != agent or type(item[1]) is not int or not linked.took_gathered(item[1]):
+            if linked is None or (linked.agent != agent and not relaying) or type(item[1]) is not int \
+                    or not linked.took_gathered(item[1]):
                 self.dropped["gathered"] += 1
                 item[1] = None
                 continue
+            if linked.agent != agent:
+                self.replies_via_relays += 1
             if linked.waiting:
                 due = self._due(linked, lambda held, upto=linked.gathered_upto: held[1]["after"] <= upto)  # type: ignore[misc]
                 released.extend(held[1:] for held in due)

@@ -262,7 +262,9 @@ def test_a_cast_down_the_tree_is_split_per_host_each_part_signed_with_its_entrie
     cast = {"kind": "call", "src": "controller", "dst": "host1", "seq": 41, "ep": "ping",
             "fan": {"to": ["pm0.0", "pm0.1", "pm0.2"], "rank": [0, 1, 2], "pseq": [[7, 3], [8, 5], [9, 2]]}}
     sections = [(b"host1", [b"pm0.0"]), (b"host2", [b"pm0.1", b"pm0.2"])]
-    parts = cast_parts(signer, sections, encode(signer, cast, b"args"))
+    cid, parts = cast_parts(signer, sections, encode(signer, cast, b"args"))
+    assert cid is None, "a call whose replies do not gather"
+    assert cast_parts(signer, sections, encode(signer, {**cast, "cid": "c7", "gth": 1}, b"args"))[0] == "c7"
     assert [(host, routing) for host, routing, _ in parts] == [(b"host1", b"@pm0.0"), (b"host2", b"@pm0.1,pm0.2")]
     header, body, _ = decode(signer, parts[1][2])  # verifies as the controller's own message would
     assert (header["src"], header["dst"], header["seq"], header["ep"], bytes(body)) == ("controller", "host2", 41, "ping", b"args")
@@ -273,3 +275,25 @@ def test_a_cast_down_the_tree_is_split_per_host_each_part_signed_with_its_entrie
         cast_parts(signer, [(b"host1", [b"pm0.0"]), (b"host2", [b"pm0.2", b"pm0.1"])], encode(signer, cast, b"args"))
     with pytest.raises(BadMessage):  # ... or fewer than it lists
         cast_parts(signer, [(b"host1", [b"pm0.0"])], encode(signer, cast, b"args"))
+
+
+def test_a_members_replies_reach_the_relays_merge_and_one_naming_another_member_does_not():
+    pair = Pair()
+    merged: list[tuple[dict, bytes]] = []
+    try:
+        a = pair.member("host2#200")
+        a.send_replies({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.2#3", 1, 2, True, 2]], "n": 2}, b"ok")
+        wait_for(lambda: (pair.relay.on_readable(), pair.relay.dropped["not a heartbeat"] == 1)[1])
+        assert not merged, "a relay without a merge takes no replies"
+        pair.relay.merge = type("Merge", (), {"add": lambda self, header, body: merged.append((header, body))})()  # type: ignore[assignment]
+        a.send_replies({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.2#3", 1, 2, True, 2]], "n": 2}, b"ok")
+        wait_for(lambda: (pair.relay.on_readable(), len(merged) == 1)[1])
+        header, body = merged[0]
+        assert (header["src"], header["cid"], header["gathered"], header["n"], body) == ("host2#200", "c1", [["pm0.2#3", 1, 2, True, 2]], 2, b"ok")
+        forged = pair.member("host3#300")
+        forged.identity = "host2#200"  # signs as host2's agent on host3's connection
+        forged.send_replies({"kind": Kind.REPLIES, "cid": "c1", "gathered": [], "n": 1}, b"")
+        wait_for(lambda: (pair.relay.on_readable(), pair.relay.dropped["another's name"] == 1)[1])
+        assert len(merged) == 1
+    finally:
+        pair.close()

@@ -168,3 +168,63 @@ def test_gathered_replies_are_cut_at_an_item_whose_size_cannot_be_known(cluster,
         agent.close()
     [got] = inbox.of_kind("replies")
     assert got["gathered"] == [["pm0.1#101", 1, 1, True, 3]] and controller.dropped["gathered"] == 2
+
+
+def test_a_serving_relays_replies_for_its_members_procs_are_taken_and_a_plain_agents_are_not(cluster, tmp_path):
+    """Up the relay tree: a relay's merged replies hold other agents' procs' replies; the
+    controller takes them from an agent it knows serves as a relay (``relay_serves``), drops
+    them from any other, and drops a number it had (a member's resend after its relay's)."""
+    controller, gather, procs, inbox = cluster
+    relay = Channel("host9#9", Signer(KEY), Inbox())
+    relay.connect(f"ipc://{tmp_path}/ctl")
+    relay.start()
+    try:
+        item = ["pm0.0#100", 1, 0, True, 1]
+        relay.send(CONTROLLER, {"kind": "replies", "cid": "c1", "gathered": [list(item)]}, b"x")
+        wait_for(lambda: len(inbox.of_kind("replies")) == 1)
+        controller.relay_serves("host9#9", True)
+        relay.send(CONTROLLER, {"kind": "replies", "cid": "c1", "gathered": [list(item)]}, b"x")
+        relay.send(CONTROLLER, {"kind": "replies", "cid": "c1", "gathered": [list(item)]}, b"x")  # the same again
+        wait_for(lambda: len(inbox.of_kind("replies")) == 3)
+        controller.relay_serves("host9#9", False)
+        relay.send(CONTROLLER, {"kind": "replies", "cid": "c1", "gathered": [["pm0.1#101", 1, 1, True, 1]]}, b"y")
+        wait_for(lambda: len(inbox.of_kind("replies")) == 4)
+    finally:
+        relay.close()
+    assert [got["gathered"][0][1] for got in inbox.of_kind("replies")] == [None, 1, None, None], \
+        "not a relay: dropped; a relay: taken; the same number again: dropped; no longer a relay: dropped"
+    assert controller.replies_via_relays == 1
+
+
+def test_a_relay_merges_its_hosts_replies_to_a_call_it_split_into_one_message():
+    """The relay's merge alone, driven by hand: it knows how many of its hosts' procs gather."""
+    sent, timers = [], []
+    merge = reply_gather.ReplyMerge(lambda header, body: sent.append((header, body)), lambda delay, fn: timers.append(fn))
+    merge.expect("c1", 4)
+    merge.add({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.0#1", 1, 0, True, 1], ["pm0.1#2", 1, 1, True, 2]], "n": 2}, b"abb")
+    assert not sent and len(timers) == 1, "held for the other host's, its linger set"
+    merge.add({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.2#3", 1, 2, True, 1]], "n": 2}, b"c")  # one went straight
+    assert [(h["cid"], [i[0] for i in h["gathered"]], body) for h, body in sent] == [("c1", ["pm0.0#1", "pm0.1#2", "pm0.2#3"], b"abbc")]
+    merge.add({"kind": Kind.REPLIES, "cid": "c9", "gathered": [["pm0.3#4", 1, 0, True, 1]], "n": 1}, b"d")
+    assert sent[-1][0]["cid"] == "c9" and len(sent) == 2, "a call not split here (its cast came straight): sent on at once"
+    merge.expect("c2", 4)
+    merge.add({"kind": Kind.REPLIES, "cid": "c2", "gathered": [["pm0.0#1", 2, 0, True, 1]], "n": 1}, b"e")
+    timers[-1]()  # the linger: what is held goes, the rest as it comes
+    merge.add({"kind": Kind.REPLIES, "cid": "c2", "gathered": [["pm0.1#2", 2, 1, True, 1]], "n": 3}, b"f")
+    assert [body for _, body in sent[2:]] == [b"e", b"f"]
+    assert reply_gather.RELAY_LINGER_S <= 0.1, "a proc's later messages wait at most this long behind a relay's held reply"
+
+
+def test_a_member_keeps_what_it_sent_up_for_a_few_seconds_and_at_most_so_many_bytes(monkeypatch):
+    kept = reply_gather.KeptReplies(keep_s=1.0, max_bytes=10)
+    clock = [100.0]
+    monkeypatch.setattr(reply_gather.time, "monotonic", lambda: clock[0])
+    kept.add({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.0#1", 1, 0, True, 4]], "n": 1}, b"aaaa")
+    clock[0] += 0.6
+    kept.add({"kind": Kind.REPLIES, "cid": "c2", "gathered": [["pm0.0#1", 2, 0, True, 4]], "n": 1}, b"bbbb")
+    clock[0] += 0.6  # c1 is 1.2 s old
+    assert [(h["cid"], body) for h, body in kept.take()] == [("c2", b"bbbb")]
+    assert kept.take() == [], "taken once"
+    for cid in ("c3", "c4", "c5"):
+        kept.add({"kind": Kind.REPLIES, "cid": cid, "gathered": [], "n": 1}, b"cccc")
+    assert [h["cid"] for h, _ in kept.take()] == ["c4", "c5"], "over 10 bytes: the oldest went"
