@@ -16,7 +16,6 @@ import sys
 from typing import Any
 
 from ..actor.endpoint import Actor, endpoint
-from ..train.group_worker import release_destroyed_groups
 
 __all__ = ["ScriptRank", "ScriptExited"]
 
@@ -71,7 +70,6 @@ class ScriptRank(Actor):
             sys.argv, sys.path[:] = saved_argv, saved_path
             os.chdir(saved_cwd)
             _destroy_default_group()
-            release_destroyed_groups()  # the script's objects are gone: the groups it destroyed go now
         return out.lines + err.lines
 
 

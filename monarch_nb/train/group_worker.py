@@ -46,8 +46,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..runtime.proc import PeerFailure, Proc
 
-__all__ = ["install", "failure_note", "looks_like_a_peer_error", "release_destroyed_groups", "GroupFollower",
-           "PeerDeadError"]
+__all__ = ["install", "failure_note", "looks_like_a_peer_error", "GroupFollower", "PeerDeadError"]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +135,8 @@ class GroupFollower:
             if group is None and follower.released and not dist.is_initialized():
                 follower.released = False  # the group this plugin released: it is gone already
                 return None
-            follower.keep_destroyed(dist, group)
+            if not follower._trainer_owns_groups():  # a Trainer's quorum groups are its own to tear down
+                follower.keep_destroyed(dist, group)
             return original_destroy(group)
 
         for module in (dist, getattr(dist, "distributed_c10d", None)):
@@ -155,7 +155,8 @@ class GroupFollower:
         that: the proc deadlocks, its heartbeats stop and it is fenced as hung (seen in CI, 1 run
         in ~8; a two-process loop of init, DDP, backward, destroy and drop deadlocked within 5
         rounds, torch 2.13, pytorch/pytorch#56297). Held here, the group's last reference is this
-        list's, whose release goes through the ``ProcessGroup`` binding that lets the GIL go."""
+        list's, whose release goes through the ``ProcessGroup`` binding that lets the GIL go. Not
+        a Trainer's groups (it forms and leaves its quorums itself)."""
         world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
         try:
             groups = list(world.pg_map) if group is None and world is not None else [group]
@@ -166,11 +167,14 @@ class GroupFollower:
 
     def release_destroyed(self) -> None:
         """Drop the destroyed groups held by :meth:`keep_destroyed` (at the next
-        ``init_process_group`` and at the end of a script's run: the objects that used them are
-        gone by then, so this is their last reference)."""
+        ``init_process_group``: the objects that used them are gone by then, so this is their last
+        reference), on a thread of its own: a group destroyed while a collective of it still
+        waited on a dead peer is freed only when gloo's worker gives up (its timeout), which must
+        not hold up the new group."""
         with self._lock:
             held, self.destroyed = self.destroyed, []
-        del held  # each group's destructor runs here, the GIL let go while gloo joins its threads
+        if held:  # each group's destructor runs there, the GIL let go while gloo joins its threads
+            threading.Thread(target=held.clear, name="monarch_nb-group-release", daemon=True).start()
 
     def before_init(self, dist: Any, kwargs: dict) -> None:
         """Raises PeerDeadError if the group would span the mesh while a rank of it is dead;
@@ -356,19 +360,8 @@ def failure_note(since: float, wait_s: float = 0.0) -> str:
             "dist.init_process_group() forms a new one over every rank")
 
 
-_follower: GroupFollower | None = None  # this proc's (one proc a process)
-
-
-def release_destroyed_groups() -> None:
-    """Drop the process groups this proc's scripts and cells destroyed (see
-    :meth:`GroupFollower.keep_destroyed`); for the end of a script's run."""
-    if _follower is not None:
-        _follower.release_destroyed()
-
-
 def install(proc: "Proc") -> None:
-    global _follower
-    follower = _follower = GroupFollower(proc)
+    follower = GroupFollower(proc)
     proc.add_peer_failure_hook(follower.on_peer_failure)
     dist = sys.modules.get("torch.distributed")
     if dist is not None:  # a spare imported it before it took this rank
