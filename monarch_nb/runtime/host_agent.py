@@ -163,7 +163,7 @@ class HostAgent:
         # our procs' replies to a cast, sent to the controller as one message
         self.replies = ReplyGather(self.signer, self._send_replies, self.channel.call_later)
         # those sent up to our relay lately, sent straight if we leave it (it may have been lost holding them)
-        self.kept_replies = KeptReplies(2 * RELAY_SILENT_INTERVALS * env.heartbeat_interval_s + 1.0)
+        self.kept_replies = KeptReplies(max(5.0, 2 * RELAY_SILENT_INTERVALS * env.heartbeat_interval_s + 1.0))
         self.link.on_gathered = self.replies.on_link_message
         self.cadence = IdleCadence()  # an idle host's heartbeat every second interval
         self.subreaper = become_subreaper()
@@ -260,15 +260,28 @@ class HostAgent:
             if kept:
                 log.info("host %s left its relay: %d gathered replies sent through it lately sent straight", self.name, len(kept))
 
-    def _send_replies(self, header: RepliesHeader, body: bytes) -> None:
+    def _send_replies(self, header: RepliesHeader, body: bytes, *, straight: bool = False) -> None:
         """Our procs' gathered replies to a call: up to our relay (kept for a resend), into our
-        own merge when we relay, else straight to the controller."""
-        if self.member is not None and self.member.send_replies(header, body):
-            self.kept_replies.add(header, body)
-        elif self.relay is not None and self.relay.merge is not None:
+        own merge when we relay, else (or ``straight``) to the controller. A count alone (no
+        replies: they went straight) is only for a relay's merge."""
+        if not straight and self.member is not None and self.member.send_replies(header, body):
+            if header["gathered"]:
+                self.kept_replies.add(header, body)
+        elif not straight and self.relay is not None and self.relay.merge is not None:
             self.relay.merge.add(header, body)
-        else:
+        elif header["gathered"]:
             self.channel.send(CONTROLLER, header, body)
+
+    def _replies_before_exit(self, identity: str) -> None:
+        """Proc ``identity`` exited: every reply it gave reaches the controller before its exit
+        report, which goes straight: those held here, and those held in our relay's merge (ours,
+        or the one we sent them up to: sent again straight, the controller drops what it had),
+        since a call that a failure reaches before its reply fails."""
+        self.replies.flush_all(lambda header, body: self._send_replies(header, body, straight=True))
+        if self.relay is not None and self.relay.merge is not None:
+            self.relay.merge.flush_all()
+        for header, body in self.kept_replies.naming(identity):
+            self.channel.send(CONTROLLER, dict(header), body)  # type: ignore[arg-type]  # a copy of a replies header
 
     def _on_spawn_procs(self, header: Header, body: memoryview, buffers: list[memoryview]) -> None:
         for spec in json.loads(bytes(body)):
@@ -702,7 +715,7 @@ class HostAgent:
             return
         if report:
             self.link.on_readable()  # what it answered (read off the link now) goes out before its exit report
-            self.replies.flush_all()
+            self._replies_before_exit(child.identity)
             signame = signal.Signals(-status).name if status < 0 else None
             exited: ProcExitedHeader = {"kind": Kind.PROC_EXITED, "proc": child.identity, "pid": pid, "returncode": status,
                                         "signal": signame, "time": time.time(), "on_request": child.signalled}

@@ -126,10 +126,11 @@ class ReplyGather:
             self._flush(cid, gather)
             del self._gathers[cid]
 
-    def flush_all(self) -> None:
-        """Send every reply held now (a proc exited: what it answered goes out before its exit report)."""
+    def flush_all(self, send: Callable[[RepliesHeader, bytes], None] | None = None) -> None:
+        """Send every reply held now (a proc exited: what it answered goes out before its exit
+        report), through ``send`` if given (the exit's own path), else as any other."""
         for cid, gather in list(self._gathers.items()):
-            self._flush(cid, gather)
+            self._flush(cid, gather, send)
         self._gathers.clear()
 
     def _entry(self, cid: str, expected: int, now: float) -> _Gather:
@@ -162,11 +163,11 @@ class ReplyGather:
         for key in [key for key, g in self._gathers.items() if not g.items and g.touched_at < cutoff]:
             del self._gathers[key]
 
-    def _flush(self, cid: str, gather: _Gather) -> None:
-        if not gather.items:
-            return
+    def _flush(self, cid: str, gather: _Gather, send: Callable[[RepliesHeader, bytes], None] | None = None) -> None:
+        if not gather.items and not (gather.seen >= gather.expected > gather.flushed_seen):
+            return  # nothing held, or nothing a relay would wait for: a count alone goes only when all answered
         header: RepliesHeader = {"kind": Kind.REPLIES, "cid": cid, "gathered": gather.items, "n": gather.seen - gather.flushed_seen}
-        self._send(header, b"".join(gather.bodies))
+        (send or self._send)(header, b"".join(gather.bodies))
         self.sent += 1
         self.gathered += len(gather.items)
         gather.items, gather.bodies, gather.flushed_seen = [], [], gather.seen
@@ -210,11 +211,19 @@ class ReplyMerge:
         two or more of them: a single proc's reply goes straight)."""
         if procs > 0:
             now = time.monotonic()
-            self._merges[cid] = _Merge(procs, now)
-            if len(self._merges) > 64:  # now and then: forget calls whose replies did not all come
-                cutoff = now - _FORGET_S
-                for key in [key for key, m in self._merges.items() if not m.items and m.touched_at < cutoff]:
-                    del self._merges[key]
+            merges = self._merges
+            merges[cid] = _Merge(procs, now)
+            while True:  # forget the calls whose replies did not all come (oldest first: the dict's order)
+                first = next(iter(merges))
+                if merges[first].touched_at >= now - _FORGET_S:
+                    break
+                del merges[first]
+
+    def flush_all(self) -> None:
+        """Send every reply held now (a proc of this host exited: what it answered goes before
+        its exit report); the calls' counts stay for what is still to come."""
+        for cid, merge in list(self._merges.items()):
+            self._flush(cid, merge)
 
     def add(self, header: RepliesHeader, body: bytes) -> None:
         """A host's ``replies`` (this relay's own or a member's, verified): held with the others
@@ -223,10 +232,11 @@ class ReplyMerge:
         self.merged += 1
         merge = self._merges.get(cid)
         if merge is None:
-            self._send({"kind": Kind.REPLIES, "cid": cid, "gathered": items}, body)
-            self.sent += 1
+            if items:  # a count alone is for a merge
+                self._send({"kind": Kind.REPLIES, "cid": cid, "gathered": items}, body)
+                self.sent += 1
             return
-        if not merge.items:
+        if not merge.items and items:
             self._call_later(self.linger_s, lambda: self._linger(cid, merge))
         merge.items.extend(items)
         merge.bodies.append(body)
@@ -268,11 +278,18 @@ class KeptReplies:
         now = time.monotonic()
         self._kept.append((now, {"kind": Kind.REPLIES, "cid": header["cid"], "gathered": header["gathered"]}, body))
         self._bytes += len(body)
+        over = 0
         while self._kept and (self._kept[0][0] < now - self.keep_s or self._bytes > self.max_bytes):
             sent_at, _, old = self._kept.popleft()
             self._bytes -= len(old)
-            if sent_at >= now - self.keep_s:
-                log.warning("dropped replies kept for a resend: over %d bytes kept", self.max_bytes)
+            over += sent_at >= now - self.keep_s
+        if over:
+            log.warning("dropped %d replies kept for a resend: over %d bytes kept", over, self.max_bytes)
+
+    def naming(self, route: str) -> list[tuple[RepliesHeader, bytes]]:
+        """Those kept that hold a reply of proc ``route`` (kept still)."""
+        return [(header, body) for _, header, body in self._kept
+                if any(isinstance(item, list) and item and route_id(str(item[0])) == route for item in header["gathered"])]
 
     def take(self) -> list[tuple[RepliesHeader, bytes]]:
         """Those kept, oldest first (and forget them)."""

@@ -423,6 +423,7 @@ class Channel:
         self.sent_via_relays = 0  # ROUTER: messages sent down the relay tree (a cast to the hosts of a relay: one)
         self.resent_relayed = 0  # ROUTER: a host's part of such a cast sent to it straight again
         self.replies_via_relays = 0  # ROUTER: gathered replies taken from a relay for procs of its members
+        self.gathered_again = 0  # ROUTER: gathered replies dropped as had (a member's resend after its relay passed them on)
         self._fan_min_procs = FAN_MIN_PROCS
         self._fan_min_hosts = FAN_MIN_HOSTS
         self.address: str | None = None
@@ -1165,9 +1166,12 @@ class Channel:
                 del items[position:]
                 break
             linked = self._linked_now(str(item[0]))
-            if linked is None or (linked.agent != agent and not relaying) or type(item[1]) is not int \
-                    or not linked.took_gathered(item[1]):
+            if linked is None or (linked.agent != agent and not relaying) or type(item[1]) is not int:
                 self.dropped["gathered"] += 1
+                item[1] = None
+                continue
+            if not linked.took_gathered(item[1]):  # a number it had: a member's resend of what its relay passed on
+                self.gathered_again += 1
                 item[1] = None
                 continue
             if linked.agent != agent:

@@ -228,3 +228,27 @@ def test_a_member_keeps_what_it_sent_up_for_a_few_seconds_and_at_most_so_many_by
     for cid in ("c3", "c4", "c5"):
         kept.add({"kind": Kind.REPLIES, "cid": cid, "gathered": [], "n": 1}, b"cccc")
     assert [h["cid"] for h, _ in kept.take()] == ["c4", "c5"], "over 10 bytes: the oldest went"
+
+
+def test_a_hosts_replies_that_all_went_straight_still_count_at_its_relay_and_an_exit_flushes_the_merge():
+    """A host whose procs' replies all went straight (tensors) says how many, so the relay's
+    merge does not wait for them; a proc's exit sends what the merge holds at once."""
+    signer, up, timers = Signer(KEY), [], []
+    gather = ReplyGather(signer, lambda header, body: up.append((header, body)), lambda delay, fn: timers.append(fn))
+    gather.on_link_message(b"pm0.2", [b"%2", b"~c1"])
+    gather.on_link_message(b"pm0.3", [b"%2", b"~c1"])
+    assert [(h["gathered"], h["n"], body) for h, body in up] == [([], 2, b"")], "a count alone"
+    sent: list = []
+    merge = reply_gather.ReplyMerge(lambda header, body: sent.append((header, body)), lambda delay, fn: timers.append(fn))
+    merge.expect("c1", 4)
+    merge.add({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.0#1", 1, 0, True, 1]], "n": 1}, b"a")
+    merge.add(*up[0])
+    assert not sent, "one of the relay's own procs has not answered"
+    merge.flush_all()  # that proc exited: what is held goes before its exit report
+    assert [h["gathered"] for h, _ in sent] == [[["pm0.0#1", 1, 0, True, 1]]]
+    merge.add({"kind": Kind.REPLIES, "cid": "c9", "gathered": [], "n": 2}, b"")
+    assert len(sent) == 1, "a count for a call not split here is not sent on"
+    kept = reply_gather.KeptReplies(keep_s=5.0)
+    kept.add({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.0#1", 1, 0, True, 1]], "n": 1}, b"a")
+    kept.add({"kind": Kind.REPLIES, "cid": "c2", "gathered": [["pm0.1#2", 1, 0, True, 1]], "n": 1}, b"b")
+    assert [h["cid"] for h, _ in kept.naming("pm0.1")] == ["c2"] and len(kept.take()) == 2, "naming keeps them"
