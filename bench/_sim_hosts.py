@@ -27,7 +27,11 @@ monarch_nb.runtime.proc_link): the controller sends their messages to the host's
 message per host for a cast or a call to all, and the simulated agent reads it once and answers
 for each of its procs named in it: a call to all's replies signed by each proc and gathered by
 the host's :class:`~monarch_nb.runtime.reply_gather.ReplyGather` (the real agent's), one
-message per host, as real linked procs' are; other replies from each proc's own connection.
+message per host, as real linked procs' are; other replies from each proc's own connection. On
+the relay tree a member's gathered replies go up to its relay (the real
+:meth:`~monarch_nb.runtime.relay.RelayMember.send_replies`), which merges its hosts' replies to a
+call it split (the real :class:`~monarch_nb.runtime.reply_gather.ReplyMerge`) before they go to
+the controller; ``--replies-straight``: each host's to the controller, as before that step.
 Simulated, not real: the procs (no process; they exist as the controller's records, in their
 agent's heartbeat and, with ``--answer``, as connections that answer), their actors (a
 constructor returns None, every call 0), spawning, CurveZMQ.
@@ -49,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from monarch_nb.runtime.heartbeat_relay import IDLE_HEARTBEAT_EVERY, tick_phase_s  # noqa: E402
 from monarch_nb.runtime.protocol import CONTROLLER, Kind  # noqa: E402
 from monarch_nb.runtime.relay import AgentRelay, RelayMember, pass_cast_down  # noqa: E402
-from monarch_nb.runtime.reply_gather import ReplyGather  # noqa: E402
+from monarch_nb.runtime.reply_gather import ReplyGather, ReplyMerge  # noqa: E402
 from monarch_nb.transport.serialization import dumps  # noqa: E402
 from monarch_nb.transport.wire import BadMessage, Signer, decode, encode, fields_at  # noqa: E402
 
@@ -168,6 +172,7 @@ def main() -> int:
     address, mesh, hosts, per_host, interval_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     answer = "--answer" in sys.argv[6:]  # simulated procs that answer calls (SimProcs)
     linked = "--linked" in sys.argv[6:]  # ... linked to their agents: the controller's messages come through them
+    replies_up = "--replies-straight" not in sys.argv[6:]  # a member's gathered replies up its relay (merged there)
     signer = Signer(bytes.fromhex(sys.stdin.readline().strip()))
     raise_fd_limit()
     ctx = zmq.Context()
@@ -196,11 +201,24 @@ def main() -> int:
     def call_later(delay_s: float, fn) -> None:
         timers.append((time.monotonic() + delay_s, fn))
 
-    # each host's gathering of its procs' replies (the real agent's code)
-    gathers = {name: ReplyGather(signer, lambda header, body, name=name: send(name, header, body), call_later) for name in names}
-
     relays: dict[str, AgentRelay] = {}  # hosts serving as relays
     members: dict[str, RelayMember] = {}  # hosts heartbeating through a relay
+
+    def send_replies(name: str, header: dict, body: bytes) -> None:
+        """A host's gathered replies: up to its relay, into its own merge when it relays, else
+        straight (the real agent's HostAgent._send_replies, less the kept copies for a resend)."""
+        member, relay = members.get(name), relays.get(name)
+        if replies_up and member is not None and member.send_replies(header, body):  # type: ignore[arg-type]
+            return
+        if replies_up and relay is not None and relay.merge is not None:
+            relay.merge.add(header, body)  # type: ignore[arg-type]
+            return
+        if header["gathered"]:  # a count alone is for a relay's merge
+            send(name, header, body)
+
+    # each host's gathering of its procs' replies (the real agent's code)
+    gathers = {name: ReplyGather(signer, lambda header, body, name=name: send_replies(name, header, body), call_later)
+               for name in names}
     ticks = dict.fromkeys(names, 0)  # a member's ticks (it checks its relay's silence every tick)
 
     def from_controller(name: str, frames: list) -> None:
@@ -221,6 +239,10 @@ def main() -> int:
         if header["kind"] == Kind.RELAY_SERVE:
             if name not in relays:
                 relays[name] = AgentRelay(f"{name}#{pid}", signer, None, "127.0.0.1")
+                if replies_up:
+                    relays[name].merge = ReplyMerge(lambda header, body, name=name: send(name, header, body), call_later)
+                if procs is not None:  # its members' replies wake the loop
+                    poller.register(relays[name].sock, zmq.POLLIN)
             send(name, {"kind": Kind.RELAY_READY, "endpoint": relays[name].endpoint, "error": ""})
             due[name] = min(due[name], time.monotonic() + interval_s)  # a relay beats every interval
         elif header["kind"] == Kind.RELAY_JOIN:
@@ -297,6 +319,8 @@ def main() -> int:
             if linked:
                 for member in list(members.values()):  # casts passed down by their relays
                     member.on_readable()
+                for relay in list(relays.values()):  # replies sent up by their members
+                    relay.on_readable()
         if timers:
             now = time.monotonic()
             for timer in [t for t in timers if t[0] <= now]:

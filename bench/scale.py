@@ -50,11 +50,14 @@ how many hosts that were not silenced were lost anyway over the whole run ("othe
 simulated host whose heartbeats came later than the hang timeout allows, the simulator being one
 process for every host on the controller's 2 cores; a lost simulated host is not attached again).
 
-Each size runs on up to three paths (``--paths``): ``direct`` (every simulated proc heartbeats
+Each size runs on up to four paths (``--paths``): ``direct`` (every simulated proc heartbeats
 and answers straight), ``agents`` (one heartbeat per host, casts through the hosts), ``tree``
-(from ``relay_min_hosts`` hosts: the agents' heartbeats also through the relay tree, and
-casts down it, monarch_nb.runtime.relay; the simulator's relays and members are the real
-AgentRelay and RelayMember, its relays pass casts on over their real sockets). On the tree
+(from ``relay_min_hosts`` hosts: the agents' heartbeats also through the relay tree, casts
+down it and a call to all's gathered replies up it, merged by each relay,
+monarch_nb.runtime.relay; the simulator's relays and members are the real AgentRelay,
+RelayMember and ReplyMerge, its relays pass casts on and replies up over their real sockets),
+``tree-down`` (the tree with each host's gathered replies straight to the controller, as before
+replies went up the tree: the same-run baseline for that step). On the tree
 path it also records when the tree formed (every relay ready, every placed member heard through
 its relay), then silences one relay: how soon its members heartbeat straight, when the relay is
 lost, and that none of its members is lost wrongly.
@@ -348,13 +351,22 @@ def _relay_lost(ctrl, names: list[str], sim: subprocess.Popen) -> dict:
             "relay_members_wrongly_lost": len(wrongly), "relay_members_not_straight": not_straight}
 
 
+def _path_name(row: dict) -> str:
+    """A simulated row's path: direct, agents, agents+tree-down, agents+tree."""
+    if not row["relay_tree"]:
+        return row["messages"]
+    return row["messages"] + ("+tree" if row.get("replies_up_tree", False) else "+tree-down")
+
+
 def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20, via_agents: bool = True,
-                      relays: bool = False) -> dict:
+                      relays: bool = False, replies_up: bool = True) -> dict:
     """The controller against ``hosts`` simulated hosts of ``per_host`` procs (bench/_sim_hosts.py);
     ``via_agents``: the procs are linked to their agents (the controller's messages go through
     them, one per host for a cast or a call to all), as real procs are since issue 25's step 2;
     ``relays``: the hosts' heartbeats through a relay tree (``config.relay_fan_in`` hosts a relay,
-    monarch_nb.runtime.relay), else each host's straight to the controller."""
+    monarch_nb.runtime.relay), else each host's straight to the controller; ``replies_up``: on
+    the tree, a call to all's gathered replies go up it (merged by the relays), else each host's
+    straight (as before 2026-12-06's step)."""
     from _sim_hosts import host_name, raise_fd_limit
 
     from monarch_nb.actor.mesh import ProcMesh
@@ -366,7 +378,8 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
     ctrl = Controller.get()
     fan_in = config.relay_fan_in
     monarch_nb.configure(relay_fan_in=fan_in if relays else 0)
-    mesh = f"sim{hosts}x{per_host}{'a' if via_agents else 'd'}{'r' if relays else ''}"  # a mesh of its own: no failure of an earlier run in its way
+    # a mesh of its own: no failure of an earlier run in its way
+    mesh = f"sim{hosts}x{per_host}{'a' if via_agents else 'd'}{'r' if relays else ''}{'' if replies_up else 's'}"
     names = [host_name(mesh, h) for h in range(hosts)]
     for name in names:  # as an attached host: judged for silence, sent the controller's heartbeats
         ctrl.hosts[name] = HostRecord(name, address="tcp://127.0.0.1:9")
@@ -374,7 +387,8 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
     ctrl.host_agents._reattaching.update(names)  # one lost is lost for good: no worker to attach again
     first_seq = ctrl.events.next_seq
     sim = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_sim_hosts.py"), ctrl.address, mesh, str(hosts),
-                            str(per_host), repr(config.heartbeat_interval_s), "--answer", *(["--linked"] if via_agents else [])],
+                            str(per_host), repr(config.heartbeat_interval_s), "--answer", *(["--linked"] if via_agents else []),
+                            *([] if replies_up else ["--replies-straight"])],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     identities: list[str] = []
     try:
@@ -468,7 +482,7 @@ def measure_simulated(hosts: int, per_host: int, idle_s: float, calls: int = 20,
             ctrl.host_agents._reattaching.discard(name)
     agent_beats = max(messages, 1)  # an idle agent's heartbeats (IdleCadence), all the controller received
     return {"hosts": hosts, "procs": hosts * per_host, "messages": "agents" if via_agents else "direct",
-            "relay_tree": relays, "relays": -(-hosts // fan_in) if relays else 0, "tree_formed_s": tree_s,
+            "relay_tree": relays, "replies_up_tree": relays and replies_up, "relays": -(-hosts // fan_in) if relays else 0, "tree_formed_s": tree_s,
             "hosts_straight": straight,
             "controller_cpu_idle_pct": 100 * cpu / wall,
             "controller_messages_per_s_idle": messages / wall, "cpu_per_agent_heartbeat_us": 1e6 * cpu / agent_beats,
@@ -492,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                         "per call to all and per cast is fitted to hosts and procs (sizes over 8,192 procs are skipped)")
     p.add_argument("--paths", default="direct,agents,tree",
                    help="simulated paths, comma-separated: direct (every proc to the controller), agents (one "
-                        "message per host), tree (agents' heartbeats through relays; from relay_min_hosts hosts)")
+                        "message per host), tree (agents' heartbeats and casts through relays, replies merged up "
+                        "them; from relay_min_hosts hosts), tree-down (the same with each host's replies straight)")
     p.add_argument("--rows-to", help=argparse.SUPPRESS)  # a mode's child process writes its rows here
     args = p.parse_args(argv)
     if args.quick:
@@ -509,13 +524,14 @@ def main(argv: list[str] | None = None) -> int:
         row["raw_zmq_call_all_p50_ms"] = 1e3 * floors[row["procs"]]
     # each size straight (every proc's messages, every host's heartbeats to the controller), through
     # the agents, and from relay_min_hosts hosts on with the agents' heartbeats through relays too
-    paths = {"direct": (False, False), "agents": (True, False), "tree": (True, True)}
+    paths = {"direct": (False, False, False), "agents": (True, False, False), "tree-down": (True, True, False),
+             "tree": (True, True, True)}
     unknown = set(args.paths.split(",")) - set(paths)
     if unknown:
         p.error(f"unknown --paths {', '.join(sorted(unknown))}: choose from {', '.join(paths)}")
-    simulated = [measure_simulated(int(h), int(g), args.idle_s, via_agents=via, relays=tree)
+    simulated = [measure_simulated(int(h), int(g), args.idle_s, via_agents=via, relays=tree, replies_up=up)
                  for g in args.per_host.split(",") for h in args.simulated.split(",") if h and int(h) * int(g) <= MAX_SIMULATED_PROCS
-                 for path, (via, tree) in paths.items() if path in args.paths.split(",")
+                 for path, (via, tree, up) in paths.items() if path in args.paths.split(",")
                  and (not tree or int(h) >= config.relay_min_hosts)]
     if simulated:
         Controller.get().shutdown()
@@ -547,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'spawn->reply s':>15} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call-all ms':>21} {'cast p50 ms':>12} "
               f"{'p95 ms':>8} {'ctrl CPU/cast ms':>17} {'sending ms':>11} {'msgs down tree':>15} {'resent':>7}")
         for r in simulated:
-            path = r["messages"] + ("+tree" if r["relay_tree"] else "")
+            path = _path_name(r)
             print(f"{path:>12} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['call_all_p50_ms']:>16.2f} "
                   f"{r['call_all_p95_ms']:>8.2f} "
                   f"{r['controller_cpu_per_call_all_ms']:>21.2f} {r['cast_p50_ms']:>12.2f} {r['cast_p95_ms']:>8.2f} "
@@ -584,8 +600,8 @@ def fit_by_hosts_and_procs(simulated: list[dict]) -> list[dict]:
     import numpy as np
 
     fits = []
-    for messages in sorted({r["messages"] + ("+tree" if r["relay_tree"] else "") for r in simulated}):
-        rows = [r for r in simulated if r["messages"] + ("+tree" if r["relay_tree"] else "") == messages]
+    for messages in sorted({_path_name(r) for r in simulated}):
+        rows = [r for r in simulated if _path_name(r) == messages]
         if len(rows) < 3 or len({r["procs"] // r["hosts"] for r in rows}) < 2:
             continue
         design = np.array([[1.0, r["hosts"], r["procs"]] for r in rows])

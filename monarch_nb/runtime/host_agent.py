@@ -280,7 +280,7 @@ class HostAgent:
         self.replies.flush_all(lambda header, body: self._send_replies(header, body, straight=True))
         if self.relay is not None and self.relay.merge is not None:
             self.relay.merge.flush_all()
-        for header, body in self.kept_replies.naming(identity):
+        for header, body in self.kept_replies.naming(route_id(identity)):
             self.channel.send(CONTROLLER, dict(header), body)  # type: ignore[arg-type]  # a copy of a replies header
 
     def _on_spawn_procs(self, header: Header, body: memoryview, buffers: list[memoryview]) -> None:
