@@ -290,8 +290,9 @@ class Messenger:
         self._take_reply(pending, cid, index, bool(header.get("ok")), body, buffers)
 
     def on_replies(self, header: RepliesHeader, body: Any, buffers: list[memoryview]) -> None:
-        """Handle a host agent's ``replies`` (its procs' replies to one call, gathered; the
-        channel checked that each is from a proc linked to that agent, and marked those it
+        """Handle a host agent's ``replies`` (its procs' replies to one call, gathered; a relay's
+        hold its hosts'; the channel checked that each is from a proc linked to that agent, or to
+        any when the agent serves as a relay, and marked those it
         dropped with ``gk`` None: skipped here, their bytes passed over). A reply from another
         proc than the call's target at its index is dropped."""
         cid = header["cid"]

@@ -9,8 +9,8 @@ of N procs of its host) to its agent instead, signed as ever (:meth:`Channel.sen
 verifies each (HMAC, replay guard, a proc speaks only for itself), keeps the call's replies until
 all N came or :data:`GATHER_LINGER_S` passed since the first one, and sends them to the
 controller as one ``replies`` message (:class:`~.protocol.RepliesHeader`, signed by the agent),
-whose channel checks that each is from a proc linked to that agent before the messenger takes
-them (:meth:`Messenger.on_replies <monarch_nb.runtime.messenger.Messenger.on_replies>`).
+whose channel checks that each is from a proc linked to that agent (or to any, from a relay:
+below) before the messenger takes them (:meth:`Messenger.on_replies <monarch_nb.runtime.messenger.Messenger.on_replies>`).
 
 A reply that cannot come this way (a tensor, a body of more than 64 KiB) goes straight, and the
 proc tells its agent, which then waits for one fewer. A proc that exits has its held replies sent

@@ -71,6 +71,10 @@ and every later message it sends the controller straight says how many it had ga
 so what the agent holds is never overtaken by what the proc sent after it (an ``actor_failed``
 must not pass the reply before it). Gathered replies may pass each other (they answer different
 calls). A message held longer than :data:`GATHER_WAIT_MAX_S` is delivered anyway (logged).
+Up the relay tree a relay merges its hosts' gathered replies into one message: the controller
+takes from an agent that serves as a relay (:meth:`Channel.relay_serves`) the items of any
+linked proc, and drops a number it had (``gathered_again``: a member's resend after its relay
+was lost holding them).
 """
 
 from __future__ import annotations
