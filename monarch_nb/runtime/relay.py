@@ -158,6 +158,19 @@ def pass_cast_down(signer: Signer, relay: "AgentRelay | None", own: bytes, routi
     return {"kind": Kind.RELAY_UNREACHED, "cast": cast, "hosts": unreached} if unreached else None
 
 
+def _sizes_match(items: Any, body_bytes: int) -> bool:
+    """``items`` is a list of gathered replies (``[src, gk, idx, ok, nbytes]`` each) whose sizes
+    add up to ``body_bytes``: a member's ``replies`` a relay can merge with others."""
+    if not isinstance(items, list):
+        return False
+    total = 0
+    for item in items:
+        if not isinstance(item, list) or len(item) != 5 or type(item[4]) is not int or item[4] < 0:
+            return False
+        total += item[4]
+    return total == body_bytes
+
+
 @dataclass(frozen=True)
 class Relayed:
     """A relay's members' heartbeats since its last heartbeat (:meth:`AgentRelay.take`).
@@ -257,8 +270,8 @@ class AgentRelay:
                 self.dropped["replayed"] += 1
                 continue
             if kind == Kind.REPLIES:
-                if not isinstance(header.get("cid"), str) or not isinstance(header.get("gathered"), list):
-                    self.dropped["bad replies"] += 1
+                if not isinstance(header.get("cid"), str) or not _sizes_match(header.get("gathered"), len(body)):
+                    self.dropped["bad replies"] += 1  # merged, its bytes would misplace the other hosts'
                     continue
                 merge = self.merge
                 if merge is not None:

@@ -290,6 +290,9 @@ def test_a_members_replies_reach_the_relays_merge_and_one_naming_another_member_
         wait_for(lambda: (pair.relay.on_readable(), len(merged) == 1)[1])
         header, body = merged[0]
         assert (header["src"], header["cid"], header["gathered"], header["n"], body) == ("host2#200", "c1", [["pm0.2#3", 1, 2, True, 2]], 2, b"ok")
+        a.send_replies({"kind": Kind.REPLIES, "cid": "c1", "gathered": [["pm0.2#3", 1, 2, True, 5]], "n": 1}, b"ok")
+        wait_for(lambda: (pair.relay.on_readable(), pair.relay.dropped["bad replies"] == 1)[1])  # 5 bytes named, 2 sent
+        assert len(merged) == 1, "merged, its sizes would misplace the other hosts' bytes"
         forged = pair.member("host3#300")
         forged.identity = "host2#200"  # signs as host2's agent on host3's connection
         forged.send_replies({"kind": Kind.REPLIES, "cid": "c1", "gathered": [], "n": 1}, b"")
