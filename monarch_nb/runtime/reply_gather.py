@@ -63,7 +63,9 @@ _FORGET_S = 60.0
 
 class _Gather:
     """One call's replies at this agent: how many of this host's procs it went to, how many
-    answered (gathered or straight), and the replies held (items and bodies, in arrival order)."""
+    answered (gathered or straight), and the replies held (items and bodies, in arrival order).
+    At a relay (:class:`ReplyMerge`): how many procs of its hosts gather them, how many the
+    ``replies`` merged so far account for (``seen``), those held."""
 
     __slots__ = ("expected", "seen", "flushed_seen", "items", "bodies", "touched_at")
 
@@ -173,19 +175,6 @@ class ReplyGather:
         gather.items, gather.bodies, gather.flushed_seen = [], [], gather.seen
 
 
-class _Merge:
-    """One call's replies at a relay: how many of its hosts' procs gather them, how many are
-    accounted for (``n`` of the ``replies`` merged), the items and bodies held."""
-
-    __slots__ = ("expected", "got", "items", "bodies", "touched_at")
-
-    def __init__(self, expected: int, now: float) -> None:
-        self.expected, self.got = expected, 0
-        self.items: list[list[Any]] = []
-        self.bodies: list[bytes] = []
-        self.touched_at = now
-
-
 class ReplyMerge:
     """A relay's merging of its hosts' gathered replies to a call it split (on the agent's loop
     thread only): one ``replies`` message to the controller for the relay's hosts, not one a host.
@@ -203,7 +192,7 @@ class ReplyMerge:
     def __init__(self, send: Callable[[RepliesHeader, bytes], None], call_later: Callable[[float, Callable[[], None]], None],
                  linger_s: float = RELAY_LINGER_S) -> None:
         self._send, self._call_later, self.linger_s = send, call_later, linger_s
-        self._merges: dict[str, _Merge] = {}
+        self._merges: dict[str, _Gather] = {}
         self.sent = self.merged = 0
 
     def expect(self, cid: str, procs: int) -> None:
@@ -212,7 +201,7 @@ class ReplyMerge:
         if procs > 0:
             now = time.monotonic()
             merges = self._merges
-            merges[cid] = _Merge(procs, now)
+            merges[cid] = _Gather(procs, now)
             while True:  # forget the calls whose replies did not all come (oldest first: the dict's order)
                 first = next(iter(merges))
                 if merges[first].touched_at >= now - _FORGET_S:
@@ -241,17 +230,17 @@ class ReplyMerge:
         merge.items.extend(items)
         merge.bodies.append(body)
         n = header.get("n")
-        merge.got += n if type(n) is int and n > 0 else len(items)
+        merge.seen += n if type(n) is int and n > 0 else len(items)
         merge.touched_at = time.monotonic()
-        if merge.got >= merge.expected:
+        if merge.seen >= merge.expected:
             self._flush(cid, merge)
             del self._merges[cid]
 
-    def _linger(self, cid: str, merge: _Merge) -> None:
+    def _linger(self, cid: str, merge: _Gather) -> None:
         if self._merges.get(cid) is merge:
             self._flush(cid, merge)
 
-    def _flush(self, cid: str, merge: _Merge) -> None:
+    def _flush(self, cid: str, merge: _Gather) -> None:
         if merge.items:
             self._send({"kind": Kind.REPLIES, "cid": cid, "gathered": merge.items}, b"".join(merge.bodies))
             self.sent += 1
