@@ -3,7 +3,15 @@ and sending replies (to the caller, a port, or a caller in this same process wit
 
 One :class:`ActorHost` per process that hosts actors: each worker proc, and the client for the
 actors spawned on the client's own proc (``this_proc()``, ``get_or_spawn_controller``).
+
+A call that came straight from a proc of the same host (:mod:`monarch_nb.transport.local_peers`)
+for an actor not spawned here yet waits for its spawn, up to :data:`HOLD_FOR_SPAWN_S`: the
+controller may have spawned it and passed its mesh on in the same breath, and the spawn, which
+comes from the controller, not from that peer, may still be on its way (through the controller's
+hub the two kept one order). After that, or for an actor that was stopped or failed, it is
+refused as any call to an actor that is not here.
 """
+
 
 from __future__ import annotations
 
@@ -26,6 +34,11 @@ __all__ = ["ActorHost"]
 
 log = logging.getLogger("monarch_nb.actors")
 
+#: Seconds a peer's call for an actor not spawned yet waits for the spawn before it is refused.
+HOLD_FOR_SPAWN_S = 5.0
+#: Calls that may wait for spawns at once (more are refused at once).
+MAX_HELD_FOR_SPAWN = 10_000
+
 
 class ActorHost:
     """The actors of one process and the messages addressed to them (IO thread, or a local caller).
@@ -41,7 +54,8 @@ class ActorHost:
 
     def __init__(self, identity: str, mesh_name: str, rank: int, extent: Extent, send: Callable[..., None],
                  messenger: "Messenger", to_controller: Callable[[Header, bytes], None], python: str = "",
-                 lead: Callable[..., bool] | None = None, wake: Callable[[], None] | None = None) -> None:
+                 lead: Callable[..., bool] | None = None, wake: Callable[[], None] | None = None,
+                 call_later: Callable[[float, Callable[[], None]], None] | None = None) -> None:
         self.identity = identity
         self.mesh_name = mesh_name
         self.rank = rank
@@ -58,6 +72,9 @@ class ActorHost:
         self._tombstones: dict[str, dict] = {}
         self._stop_waiters: dict[str, list] = {}
         self._lock = threading.Lock()
+        self._call_later = call_later  # the channel's (the receiving thread's timers); None: no call waits for a spawn
+        self._before_spawn: dict[str, list[tuple]] = {}  # actor -> peers' calls that came before its spawn
+        self._held_for_spawn = 0
 
     # -- messages --------------------------------------------------------------------------------
     def dispatch(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
@@ -66,7 +83,8 @@ class ActorHost:
         if kind == Kind.CALL:
             runner = self.runners.get(header["actor"])
             if runner is None:
-                self.refuse(("call", header, body, buffers))
+                if not (header.get("_local_peer") and self._hold_for_spawn(("call", header, body, buffers))):
+                    self.refuse(("call", header, body, buffers))
             else:
                 runner.post(("call", header, body, buffers))
         elif kind == Kind.SPAWN:
@@ -84,7 +102,40 @@ class ActorHost:
                 return
             self._tombstones.pop(name, None)
             runner = self.runners[name] = ActorRunner(self, name, bool(header.get("async")))
+            early = self._before_spawn.pop(name, [])
+            self._held_for_spawn -= len(early)
         runner.post(("spawn", header, body, buffers))
+        for item in early:  # peers' calls that came before it, in their order, after it
+            runner.post(item)
+
+    def _hold_for_spawn(self, item: tuple) -> bool:
+        """Keep a peer's call for an actor not spawned here until its spawn (or refuse it after
+        :data:`HOLD_FOR_SPAWN_S`); False: refuse it now (the actor was here and is gone, or too
+        many wait)."""
+        name = item[1].get("actor", "")
+        if self._call_later is None or name in self._tombstones:
+            return False
+        with self._lock:
+            if self._held_for_spawn >= MAX_HELD_FOR_SPAWN:
+                return False
+            waiting = self._before_spawn.setdefault(name, [])
+            waiting.append(item)
+            self._held_for_spawn += 1
+            first = len(waiting) == 1
+        if first:
+            self._call_later(HOLD_FOR_SPAWN_S, lambda: self._spawn_never_came(name, waiting))
+        return True
+
+    def _spawn_never_came(self, name: str, waiting: list[tuple]) -> None:
+        with self._lock:
+            if self._before_spawn.get(name) is not waiting:
+                return  # spawned meanwhile (they were posted), or another wait began
+            del self._before_spawn[name]
+            self._held_for_spawn -= len(waiting)
+        log.warning("%d call(s) from peers for actor %r waited %.0f s on %s for its spawn, which did not come; refused",
+                    len(waiting), name, HOLD_FOR_SPAWN_S, self.identity)
+        for item in waiting:
+            self.refuse(item)
 
     def on_stop_actors(self, header: CallHeader) -> None:
         runner = self.runners.get(header["actor"])

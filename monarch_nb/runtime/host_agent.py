@@ -713,6 +713,7 @@ class HostAgent:
             else:
                 self._report_spares(child.mesh)
             return
+        self.link.leave(child.identity, pid)  # its peers on this host send through the controller again
         if report:
             self.link.on_readable()  # what it answered (read off the link now) goes out before its exit report
             self._replies_before_exit(child.identity)

@@ -52,6 +52,7 @@ from .actors import ActorRunner
 from ..actor.log_prefix import install_log_prefix
 from .messenger import Messenger
 from .heartbeat_relay import HeartbeatSender
+from ..transport.local_peers import LocalPeers
 from .proc_link import link_to_agent
 from .protocol import (CONTROLLER, CallHeader, FailedProc, Handler, HeartbeatFields, HeartbeatHeader, HelloHeader, InterruptHeader, Kind,
                        LogLevelHeader, PeerHeader, ProcEnv, ProcsFailedHeader, RendezvousHeader)
@@ -126,7 +127,7 @@ class Proc:
         self.messenger = Messenger(self.channel)
         self.host = ActorHost(identity, self.mesh_name, self.rank, self.extent, self.channel.send, self.messenger,
                               self.send_to_controller, python=os.environ.get("MONARCH_NB_PYTHON", ""),
-                              lead=self.channel.lead, wake=self.channel.wake)
+                              lead=self.channel.lead, wake=self.channel.wake, call_later=self.channel.call_later)
         self.messenger.local[identity] = self.host.dispatch  # an actor calling an actor of this proc
         self.identity_route = route_id(identity)
         self._heartbeat_fields: list[Callable[[], HeartbeatFields]] = []
@@ -350,6 +351,10 @@ class Proc:
         self.channel.connect(self.env.controller, trust)
         self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
         hello: HelloHeader = {"kind": Kind.HELLO, "pid": os.getpid()}
+        if self.env.agent_link.startswith("ipc://"):  # peers of this host send it their messages straight
+            peers = LocalPeers(os.path.dirname(self.env.agent_link[len("ipc://"):]), self.identity_route)
+            if peers.open():  # bound before the link: a peer told of it may send at once
+                self.channel.add_local_peers(peers)
         link = link_to_agent(self.env.agent_link, self.identity_route) if self.env.agent_link else None
         if link is not None:  # the controller's messages come through the host agent (see proc_link)
             self.channel.add_link(link)

@@ -4,19 +4,25 @@ A message of the controller's for several procs of one host (a ``broadcast``, a 
 spawn) is sent once, to the host agent (:meth:`~monarch_nb.transport.channel.Channel.send_many`),
 which passes it on to each: one message over the network and one send of the controller's per
 host, not per proc. A message for one proc (``call_one``) still goes straight to it, as do the
-procs' own messages (calls to other actors, replies to a ``call_one``); the controller numbers
+procs' own messages (replies to a ``call_one``, calls to actors on other hosts; those for procs
+of their own host go straight to them, below); the controller numbers
 what it sends a linked proc, so the two paths keep their order (see
 :mod:`monarch_nb.transport.channel`). The way back: a proc's reply to a cast goes to the agent,
 which sends the controller its host's replies as one message (:mod:`.reply_gather`).
 
 The agent binds a ROUTER on a Unix socket in its run folder (:class:`AgentLink`); a proc connects
-a DEALER under its routing identity (:func:`link_to_agent`), says ``link`` and waits for the
-agent's ``linked`` before its hello to the controller, so the agent can route to it from the
-controller's first cast. The agent reads only the routing frame (``@ROUTE,ROUTE...``) the
+a DEALER under its routing identity (:func:`link_to_agent`), says ``link`` (with its pid) and waits
+for the agent's ``linked`` before its hello to the controller, so the agent can route to it from
+the controller's first cast. The agent reads only the routing frame (``@ROUTE,ROUTE...``) the
 controller put before the signed message; each proc verifies the signature as for a message on
 its own socket (:meth:`~monarch_nb.transport.channel.Channel.add_link`). A message for a proc that
 is gone (exited, not linked yet) is dropped and counted, as the controller's ROUTER drops one for
 a peer it does not know.
+
+The link also tells the procs who is on the host, for their messages to each other, which go
+straight (:mod:`monarch_nb.transport.local_peers`): a proc that links gets ``+ROUTE`` for each
+proc linked before it, those get ``+ROUTE`` for it, and all get ``-ROUTE`` when the agent reaps a
+proc (:meth:`AgentLink.leave`; not when a new incarnation has taken its route since).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import os
 from typing import Any, Callable
 
 import zmq
+
+from ..transport.local_peers import JOINED, LEFT
 
 __all__ = ["AgentLink", "link_to_agent", "LINK_TIMEOUT_S"]
 
@@ -52,11 +60,14 @@ class AgentLink:
             socket (the procs then get the controller's messages straight from it).
         forwarded: messages passed on to a proc.
         unreachable: messages for a proc not connected (gone, or not linked yet): dropped.
+        announced: ``+ROUTE`` and ``-ROUTE`` sent to procs.
     """
 
     def __init__(self, folder: str, *, enabled: bool = True) -> None:
         self.forwarded = 0
         self.unreachable = 0
+        self.announced = 0
+        self._linked: dict[bytes, bytes] = {}  # route -> the pid its link named (its incarnation), in link order
         #: ``on_gathered(route, frames)`` for a proc's reply sent for gathering (first frame ``%N``;
         #: :class:`~monarch_nb.runtime.reply_gather.ReplyGather`); None: such messages are dropped
         self.on_gathered: Callable[[bytes, list[Any]], None] | None = None
@@ -90,16 +101,47 @@ class AgentLink:
                 frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
-            if frames[1:] == [_LINK]:
+            if len(frames) in (2, 3) and frames[1] == _LINK:
                 try:
                     sock.send_multipart([frames[0], _LINKED])
                 except zmq.ZMQError:  # gone again already
                     self.unreachable += 1
+                    continue
+                self._join(frames[0], frames[2] if len(frames) == 3 else b"")
             elif len(frames) >= 3 and frames[1][:1] == b"%" and self.on_gathered is not None:
                 try:
                     self.on_gathered(frames[0], frames[1:])
                 except Exception:
                     log.exception("a reply for gathering from %r failed; the agent goes on", frames[0])
+
+    def _join(self, route: bytes, pid: bytes) -> None:
+        """``route`` linked: tell it who is on the host, and them of it."""
+        for other in list(self._linked):
+            if other != route:
+                self._announce(route, JOINED + other)
+                self._announce(other, JOINED + route)
+        self._linked.pop(route, None)  # a new incarnation of it: last in link order
+        self._linked[route] = pid
+
+    def leave(self, route: str, pid: int) -> None:
+        """Proc ``route`` of ``pid`` exited (reaped): its peers send through the controller
+        from now on. Not if a newer incarnation of it has linked since."""
+        key = route.encode()
+        if self._linked.get(key) != str(pid).encode():
+            return
+        del self._linked[key]
+        for other in list(self._linked):
+            self._announce(other, LEFT + key)
+
+    def _announce(self, to: bytes, news: bytes) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        try:
+            sock.send_multipart([to, news])
+            self.announced += 1
+        except zmq.ZMQError:  # gone (reaped soon: its own leave follows)
+            self.unreachable += 1
 
     def forward(self, routes: list[bytes], frames: list[Any]) -> None:
         """Pass ``frames`` (a signed message, unread) to each proc of ``routes``."""
@@ -122,17 +164,18 @@ class AgentLink:
             self.sock = None
 
 
-def link_to_agent(address: str, route: str, timeout_s: float = LINK_TIMEOUT_S) -> "zmq.Socket[Any] | None":
-    """Connect proc ``route`` to its agent's link at ``address``; the connected DEALER once the
-    agent answered, or None (logged) if it did not within ``timeout_s`` seconds: the proc then
-    says so in its hello and the controller's messages come straight to it."""
+def link_to_agent(address: str, route: str, timeout_s: float = LINK_TIMEOUT_S, pid: int | None = None) -> "zmq.Socket[Any] | None":
+    """Connect proc ``route`` (process ``pid``, this one's by default) to its agent's link at
+    ``address``; the connected DEALER once the agent answered, or None (logged) if it did not
+    within ``timeout_s`` seconds: the proc then says so in its hello and the controller's
+    messages come straight to it. Announcements of the host's procs follow on it (see above)."""
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # replies for gathering go this way too: never block, never drop
     sock.setsockopt(zmq.IDENTITY, route.encode())
     sock.connect(address)
-    sock.send(_LINK)
+    sock.send_multipart([_LINK, str(os.getpid() if pid is None else pid).encode()])
     if sock.poll(int(timeout_s * 1000)) and sock.recv() == _LINKED:
         return sock
     log.warning("proc %s: no answer from its host agent's link %s in %.0f s; the controller's messages "

@@ -94,6 +94,7 @@ import zmq
 
 from . import shm
 from .keys import Trust
+from .local_peers import ANNOUNCEMENTS, LocalPeers
 from .wire import INLINE_BODY_MAX, MAGIC, BadMessage, Header, ReplayGuard, Signer, columns_at, decode, encode, fields_at, route_id
 
 __all__ = ["Channel", "read_tree_routing", "route_id", "RELAYED_KEEP_S"]
@@ -387,6 +388,7 @@ class Channel:
         #: the controller sets it from its heartbeat interval and hang timeout, at least :data:`RELAYED_KEEP_S`)
         self.relayed_keep_s = RELAYED_KEEP_S
         self._links: list[zmq.Socket[Any]] = []  # DEALER: its host agent's link (received from like the socket)
+        self._local_peers: LocalPeers | None = None  # DEALER of a linked proc: its inbox and its host's peers
         self._link_backlog: set[zmq.Socket[Any]] = set()  # links left with messages waiting (see _receive_link)
         # DEALER: the controller's numbered messages (pseq), delivered in order: this incarnation, the next
         # number, and those that came early (through the other path), by number
@@ -530,6 +532,11 @@ class Channel:
             # a message to the hub itself names none
             route = self._route_frame(dst)
             if route != self._hub_frame:
+                straight = self._local_peers.way(route) if self._local_peers is not None else None
+                if straight is not None:  # a proc of this host: to its inbox (see local_peers)
+                    self._local_peers.sent += 1  # type: ignore[union-attr]  # set when straight is
+                    self._send_locked(frames, straight)
+                    return
                 frames.insert(0, route)
             self._send_locked(frames)
 
@@ -815,6 +822,23 @@ class Channel:
         self.add_reader(int(sock.getsockopt(zmq.FD)), lambda fd: self._receive_link(sock))
         self._receive_link(sock)
 
+    def add_local_peers(self, peers: LocalPeers) -> None:
+        """Send this proc's messages for the procs of its host straight to their inboxes, and
+        receive theirs on ``peers.inbox`` (bound), as from the channel's own socket (a DEALER
+        linked to its agent, whose announcements say who is on the host; see
+        :mod:`.local_peers`). Before :meth:`start` or :meth:`run_forever`."""
+        inbox = peers.inbox
+        if inbox is None:
+            raise ValueError("the inbox is not bound (LocalPeers.open)")
+        self._local_peers = peers
+        self.add_reader(int(inbox.getsockopt(zmq.FD)), lambda fd: self._receive_link(inbox))
+        self._receive_link(inbox)
+
+    @property
+    def local_peers(self) -> LocalPeers | None:
+        """This proc's inbox and its host's peers (None: all its messages go through the hub)."""
+        return self._local_peers
+
     def _route_frame(self, dst: str) -> bytes:
         frame = self._route_frames.get(dst)
         if frame is None:
@@ -1054,9 +1078,12 @@ class Channel:
             self._handle(frames, None, sender)
 
     def _receive_link(self, link: "zmq.Socket[Any]") -> None:
-        """Receive what came through the host agent's link (a reader: its fd became readable;
-        or the loop: more was waiting than one turn reads)."""
+        """Receive what came through the host agent's link, or to this proc's inbox from a
+        peer of its host (a reader: its fd became readable; or the loop: more was waiting than
+        one turn reads)."""
         self._link_backlog.discard(link)
+        peers = self._local_peers
+        inbox = peers.inbox if peers is not None else None
         for _ in range(64):  # bounded so timers and the socket are not starved
             with self._lock:
                 if self._closed.is_set() or not int(link.getsockopt(_EVENTS)) & _POLLIN:
@@ -1065,21 +1092,39 @@ class Channel:
                     frames: list[Any] = link.recv_multipart(_NOBLOCK, copy=False)
                 except zmq.ZMQError:
                     return
-            frames[0] = frames[0].bytes  # the envelope (small); buffers stay zero-copy frames
-            self._handle(frames)
+                if link is inbox:
+                    frames = frames[1:]  # the sender's routing frame (the header names it, signed)
+                    if not frames:
+                        continue
+                frames[0] = frames[0].bytes  # the envelope (small); buffers stay zero-copy frames
+                if link is not inbox and frames[0][:1] in ANNOUNCEMENTS:  # the agent's word on who is on the host
+                    if peers is not None and (len(frames) != 1 or not peers.learn(frames[0])):
+                        self.dropped["bad"] += 1  # (without peers, this proc sends through the hub only)
+                    continue
+            if self.muted_until and link is inbox and time.monotonic() < self.muted_until:
+                self.dropped["partitioned"] += 1
+                continue
+            self._handle(frames, from_peer=link is inbox)
         self._link_backlog.add(link)  # more waiting, and its fd will not say so: the loop's next turn
         self._wake()
 
-    def _handle(self, frames: list[Any], order: tuple[int, int] | None = None, sender: bytes | None = None) -> None:
+    def _handle(self, frames: list[Any], order: tuple[int, int] | None = None, sender: bytes | None = None,
+                from_peer: bool = False) -> None:
         """Verify, replay-guard and dispatch one message (receiving thread); ``order``: the
         controller's ``(incarnation, number)`` for it (a linked proc's message straight from the
-        controller's socket; a cast's is in its ``fan`` fields)."""
+        controller's socket; a cast's is in its ``fan`` fields); ``from_peer``: it came to this
+        proc's inbox, straight from a proc of its host (marked ``_local_peer`` for the handler)."""
         try:
             header, body, buffers = decode(self._signer, frames)
         except BadMessage as exc:
             self.dropped["bad"] += 1
             log.warning("dropped a bad message: %s", exc)
             return
+        if from_peer:
+            if route_id(str(header.get("dst", ""))).encode() != self._own_route or "pseq" in header or "fan" in header:
+                self.dropped["not ours"] += 1  # a peer's is for this proc, one message, never numbered by the controller
+                return
+            header["_local_peer"] = 1  # type: ignore[typeddict-unknown-key]  # read by the actor host (a call before its spawn)
         fan = header.pop("fan", None)  # a message to several procs of a host: take ours
         if fan is not None:
             own = self._own_route.decode()
@@ -1302,6 +1347,8 @@ class Channel:
             self._sock.close(linger=500)
             for link in self._links:
                 link.close(linger=0)
+            if self._local_peers is not None:
+                self._local_peers.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
