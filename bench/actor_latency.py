@@ -137,7 +137,7 @@ def _startup(python: str, module: str, runs: int, env_extra: dict | None = None)
 #: One Monarch-API script, run as written on monarch_nb (``monarch_nb.actor``) and on torchmonarch
 #: (``monarch.actor``), each in its own fresh process: the same workload, the same code.
 ACTOR_SCRIPT = """
-import importlib, json, statistics, sys, time
+import importlib, json, resource, statistics, sys, time
 import torch
 api = importlib.import_module("MODULE")
 Actor, endpoint, this_host = api.Actor, api.endpoint, api.this_host
@@ -200,8 +200,14 @@ s = []
 for _ in range(max(200, CALLS // 2)):
     t0 = time.perf_counter(); actors.ping.call().get(); s.append(time.perf_counter() - t0)
 out["call_4"] = summarize(s)
-# an endpoint calling another actor's endpoint (on another proc), timed inside the endpoint
+# an endpoint calling another actor's endpoint (on another proc of the host), timed inside the
+# endpoint; with the controller's CPU (this process, user + system) per call meanwhile
+def cpu_s():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+cpu0 = cpu_s()
 out["actor_to_actor"] = summarize(one.relay.call_one(actors.slice(gpus=1), CALLS).get())
+out["actor_to_actor"]["controller_cpu_us_per_call"] = (cpu_s() - cpu0) / (CALLS + 100) * 1e6
 # broadcasts to 4 actors, end to end: until the last one is processed on every actor
 rates = []
 total = 0
@@ -406,6 +412,7 @@ _ROW_KEYS = {
     "1 MiB tensor round trip (GB/s)": ("tensor_1MiB", "gb_per_s"), "64 MiB tensor round trip (GB/s)": ("tensor_64MiB", "gb_per_s"),
     "2,000 broadcasts to 4, end to end (/s)": ("broadcast_e2e", "broadcasts_per_s"),
     "actor -> actor call_one median (us)": ("actor_to_actor", "median_us"),
+    "actor -> actor: controller CPU a call (us)": ("actor_to_actor", "controller_cpu_us_per_call"),
     "10,000 values through a port (/s)": ("port_stream", "values_per_s"),
 }
 
@@ -440,6 +447,8 @@ def print_table(results: dict) -> None:
         ("2,000 broadcasts to 4, end to end (/s)", None, get(ours, "broadcast_e2e", "broadcasts_per_s"),
          get(tm, "broadcast_e2e", "broadcasts_per_s"), None),
         ("actor -> actor call_one median (us)", None, get(ours, "actor_to_actor", "median_us"), get(tm, "actor_to_actor", "median_us"), None),
+        ("actor -> actor: controller CPU a call (us)", None, get(ours, "actor_to_actor", "controller_cpu_us_per_call"),
+         get(tm, "actor_to_actor", "controller_cpu_us_per_call"), None),
         ("10,000 values through a port (/s)", None, get(ours, "port_stream", "values_per_s"), get(tm, "port_stream", "values_per_s"), None),
         ("spawn 4 procs -> first reply (s)", None, get(results, "startup", "median_s"), get(tm, "startup", "median_s"),
          get(ipp, "startup", "median_s")),

@@ -72,9 +72,17 @@ class GroupFollower:
 
     # -- a peer fails (IO thread) --------------------------------------------------------------------
     def on_peer_failure(self, failure: "PeerFailure") -> None:
-        """Abort the default group on a thread of its own (an abort may block)."""
+        """Abort the default group on a thread of its own (an abort may block); a Trainer's
+        quorum is told instead (its collectives give up on the dead member, see
+        :mod:`.quorum_watch`)."""
+        from . import current
+
+        trainer = current.trainer
+        if trainer is not None:
+            trainer.peer_failed(failure.rank)
+            return
         dist = _distributed()
-        if dist is None or self._trainer_owns_groups() or not dist.is_initialized():
+        if dist is None or not dist.is_initialized():
             return
         try:
             group = dist.group.WORLD

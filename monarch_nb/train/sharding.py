@@ -199,13 +199,18 @@ def cross_group(backend: str, store: Any, rank: int, size: int, timeout_s: float
     return dist.ProcessGroupGloo(store, rank, size, _timeout(timeout_s))
 
 
-def all_reduce_sum(group: Any, tensor: Any) -> None:
-    """Sum ``tensor`` in place over ``group`` (a :func:`cross_group`); raises what the backend raises."""
+def all_reduce_sum(group: Any, tensor: Any, wait: Callable[[Any, Any], None] | None = None) -> None:
+    """Sum ``tensor`` in place over ``group`` (a :func:`cross_group`); raises what the backend
+    raises. ``wait(work, group)`` waits for the collective (default: ``work.wait()``)."""
     import torch.distributed as dist
 
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType is what the binding takes
-    group.allreduce([tensor], opts).wait()
+    work = group.allreduce([tensor], opts)
+    if wait is None:
+        work.wait()
+    else:
+        wait(work, group)
 
 
 def broadcast(group: Any, tensor: Any, root: int) -> None:

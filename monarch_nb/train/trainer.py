@@ -38,6 +38,7 @@ from .data import SampleOrder, digest, shard_bounds
 from .replica_checksum import ReplicaChecksum, state_checksum
 from .trainer_loop import FINISH, LoopDriver, WindowOrder, WindowReply, WindowStatus
 from .sharding import GroupCollectiveError, GroupLayout, broke_the_group, form_group, local, parallelize
+from .quorum_watch import QuorumWatch
 from .trainer_quorum import CollectiveError, QuorumAborted, QuorumEndpoints
 from .trainer_state import StateEndpoints
 from .trainer_step import Stepping
@@ -183,6 +184,14 @@ class Trainer(QuorumEndpoints, StateEndpoints, Stepping, Actor):
         self._sharded = group_size > 1 or parallelism != "ddp"
         self._group_generation = 0
         self._ready = False
+        self.watch = QuorumWatch()
+
+    def peer_failed(self, rank: int) -> None:
+        """The runtime says proc rank ``rank`` of this mesh failed (the proc's IO thread, through
+        :class:`~.group_worker.GroupFollower`): a collective of the quorum it belongs to stops
+        waiting for it (see :mod:`.quorum_watch`)."""
+        if self.watch.lose(rank):
+            log.info("rank %d: quorum member %d failed; the quorum's collectives give up on it", self.rank, rank)
 
     @endpoint
     def setup(self, group_generation: int = 0) -> dict:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from .quorum_watch import QuorumWatch
     from .sharding import GroupLayout
 
 __all__ = ["TrainerFields"]
@@ -31,6 +32,7 @@ class TrainerFields:
     chunk_bytes: int  #: largest piece of state per heal message, bytes
     _group_generation: int  #: the incarnation of this rank's replica group (sharded runs)
     _sharded: bool = False  #: the model is split inside a replica group (see .sharding)
+    watch: "QuorumWatch"  #: the quorum's members and the first said dead (collectives give up on it)
     # set by Trainer.setup
     backend: str  #: "gloo" or "nccl"
     device: "torch.device"

@@ -25,6 +25,14 @@ __all__ = ["CollectiveError", "QuorumAborted", "QuorumEndpoints"]
 log = logging.getLogger(__name__)
 
 
+#: Seconds a quorum's gloo group may take to connect its members. A connect takes milliseconds;
+#: a member that dies after the barrier but before it connected leaves the others in gloo's
+#: ``Pair::waitUntilConnected`` until this timeout (seen: 8-16 s with the whole
+#: ``collective_timeout_s``), after which the controller forms another quorum. The group's
+#: collectives then get the whole ``collective_timeout_s`` (``_set_pg_timeout``).
+QUORUM_CONNECT_TIMEOUT_S = 3.0
+
+
 class CollectiveError(RuntimeError):
     """The all-reduce of a step failed because a peer failed (connection reset, fenced, timeout)."""
 
@@ -113,6 +121,7 @@ class QuorumEndpoints(TrainerFields):
 
         t0 = time.monotonic()
         ranks = sorted(ranks)
+        self.watch.begin(ranks)
         self._leave_group()
         self._broken = True
         store = self._store_client()
@@ -130,14 +139,17 @@ class QuorumEndpoints(TrainerFields):
         if self._sharded:
             self._join_cross_group(abortable, ranks, broadcast_from)
         elif len(ranks) > 1:
+            connect_s = self._connect_timeout_s()
             dist.init_process_group(
                 self.backend,
                 store=abortable,
                 rank=ranks.index(self.rank),
                 world_size=len(ranks),
-                timeout=timedelta(seconds=self.collective_timeout_s),
+                timeout=timedelta(seconds=connect_s),
             )
             self._pg_ready = True
+            if connect_s < self.collective_timeout_s:
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.collective_timeout_s))
             if broadcast_from is not None:
                 for tensor in self.model.state_dict().values():
                     dist.broadcast(tensor, src=ranks.index(broadcast_from))
@@ -145,6 +157,15 @@ class QuorumEndpoints(TrainerFields):
         self._pos, self._world = ranks.index(self.rank), len(ranks)
         self._broken = False
         return {"rank": self.rank, "quorum": quorum, "init_ms": (time.monotonic() - t0) * 1e3, "next_step": self.next_step}
+
+    def _connect_timeout_s(self) -> float:
+        """The quorum's group's timeout while it connects (:data:`QUORUM_CONNECT_TIMEOUT_S` for
+        gloo where torch can set its collectives' timeout afterwards; else the whole one)."""
+        import torch.distributed as dist
+
+        if self.backend != "gloo" or not hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            return self.collective_timeout_s
+        return min(self.collective_timeout_s, QUORUM_CONNECT_TIMEOUT_S)
 
     def _join_cross_group(self, store, ranks: list[int], broadcast_from: int | None) -> None:
         """A sharded run: the process group of this rank's shard index across the quorum's groups

@@ -277,7 +277,9 @@ class Stepping(TrainerFields):
             return
         if self._world <= 1:
             return
-        error = self._reduce_pieces(buf, step, split, lambda piece: dist.all_reduce(piece, op=dist.ReduceOp.SUM))
+        group = dist.group.WORLD
+        error = self._reduce_pieces(
+            buf, step, split, lambda piece: self.watch.wait(dist.all_reduce(piece, op=dist.ReduceOp.SUM, async_op=True), group))
         if error is not None:
             self._collective_failed(step, error)
 
@@ -314,12 +316,12 @@ class Stepping(TrainerFields):
 
         error = None
         if self._cross is not None:
-            error = self._reduce_pieces(buf, step, split, lambda piece: all_reduce_sum(self._cross, piece))
+            error = self._reduce_pieces(buf, step, split, lambda piece: all_reduce_sum(self._cross, piece, self.watch.wait))
         if dist.get_world_size() > 1:
             flag = torch.full((1,), 1.0 if error else 0.0, device=buf.device)  # on the GPU for nccl/RCCL
             vote = torch.cat([flag, buf[self._n :]])
             try:
-                dist.all_reduce(vote, op=dist.ReduceOp.SUM)
+                self.watch.wait(dist.all_reduce(vote, op=dist.ReduceOp.SUM, async_op=True), dist.group.WORLD)
             except Exception as exc:
                 error = error or f"{type(exc).__name__}: {exc} (its replica group's vote)"
             else:
