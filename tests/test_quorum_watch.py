@@ -58,10 +58,17 @@ def group_of_two(no_leaked_processes):
         if peer.is_alive():
             peer.kill()
             peer.join()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        deadline = time.monotonic() + 15
+        while [t for t in threading.enumerate() if t.name == "monarch_nb-abandoned-collective"]:
+            assert time.monotonic() < deadline, "the abandoned collective ends once its peer is gone"
+            time.sleep(0.05)
 
 
 def test_a_collective_waiting_on_a_member_said_dead_gives_up_within_a_check(group_of_two):
+    """Rank 1 is alive but never joins: gloo would wait its 10 s; the watch gives up within a
+    check of hearing that rank 1 died."""
     watch = QuorumWatch()
     watch.begin([0, 1])
     work = dist.all_reduce(torch.ones(4), async_op=True)  # rank 1 never joins it
@@ -79,3 +86,12 @@ def test_a_collective_waiting_on_a_member_said_dead_gives_up_within_a_check(grou
     assert time.monotonic() - t0 < 3.0, "not gloo's 10 s timeout"
     assert time.monotonic() - heard_at[0] < CHECK_EVERY_S + 0.5
     assert watch.abandoned == 1 and not work.is_completed()
+    # the group is left at once (the abandoned work and the group held off this thread), and let
+    # go once the work ends (its peer gone)
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    assert time.monotonic() - t0 < 1.0
+    [holder] = [t for t in threading.enumerate() if t.name == "monarch_nb-abandoned-collective"]
+    assert holder.is_alive()
+    del work
+    # (the fixture's teardown ends the peer: its closed connection ends the work)

@@ -8,8 +8,9 @@ A call that came straight from a proc of the same host (:mod:`monarch_nb.transpo
 for an actor not spawned here yet waits for its spawn, up to :data:`HOLD_FOR_SPAWN_S`: the
 controller may have spawned it and passed its mesh on in the same breath, and the spawn, which
 comes from the controller, not from that peer, may still be on its way (through the controller's
-hub the two kept one order). After that, or for an actor that was stopped or failed, it is
-refused as any call to an actor that is not here.
+hub the two kept one order). So does one for an actor that was stopped or failed here (a new
+mesh may reuse its id). After that it is refused as any call to an actor that is not here (with
+the stopped actor's failure, if it was one).
 """
 
 
@@ -110,10 +111,10 @@ class ActorHost:
 
     def _hold_for_spawn(self, item: tuple) -> bool:
         """Keep a peer's call for an actor not spawned here until its spawn (or refuse it after
-        :data:`HOLD_FOR_SPAWN_S`); False: refuse it now (the actor was here and is gone, or too
-        many wait)."""
+        :data:`HOLD_FOR_SPAWN_S`); False: refuse it now (too many wait). An actor that was here
+        and is gone waits too: a new mesh may take its id, its spawn on the way."""
         name = item[1].get("actor", "")
-        if self._call_later is None or name in self._tombstones:
+        if self._call_later is None:
             return False
         with self._lock:
             if self._held_for_spawn >= MAX_HELD_FOR_SPAWN:

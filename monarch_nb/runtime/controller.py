@@ -1,9 +1,10 @@
-"""The controller: root of the supervision tree, owner of every mesh, hub of all messages.
+"""The controller: root of the supervision tree, owner of every mesh, hub of the messages between hosts.
 
 One per process that drives meshes (the notebook kernel, a script); it implements the actor
 API's :class:`~monarch_nb.actor.backend.Backend` and installs itself when it starts. It binds a
-ROUTER socket; host agents and procs connect to it. Messages between procs (an actor calling
-another actor) are forwarded here unchanged (still signed by their sender). Incoming messages are
+ROUTER socket; host agents and procs connect to it. Messages between procs of different hosts
+(an actor calling another actor) are forwarded here unchanged (still signed by their sender);
+those between procs of one host go straight (:mod:`monarch_nb.transport.local_peers`). Incoming messages are
 dispatched by kind (:class:`~monarch_nb.runtime.protocol.Kind`) from one table. The work is done
 in rooms beside it: proc meshes are started, stopped and restarted by :mod:`.proc_meshes`, actor
 meshes by :mod:`.actor_meshes`, hosts attached and lost by :mod:`.hosts`; liveness

@@ -351,11 +351,12 @@ class Proc:
         self.channel.connect(self.env.controller, trust)
         self.channel.every(self.env.heartbeat_interval_s, self.heartbeat)
         hello: HelloHeader = {"kind": Kind.HELLO, "pid": os.getpid()}
+        inbox = False
         if self.env.agent_link.startswith("ipc://"):  # peers of this host send it their messages straight
             peers = LocalPeers(os.path.dirname(self.env.agent_link[len("ipc://"):]), self.identity_route)
-            if peers.open():  # bound before the link: a peer told of it may send at once
-                self.channel.add_local_peers(peers)
-        link = link_to_agent(self.env.agent_link, self.identity_route) if self.env.agent_link else None
+            inbox = peers.open()  # bound before the link: a peer told of it may send at once
+            self.channel.add_local_peers(peers)
+        link = link_to_agent(self.env.agent_link, self.identity_route, inbox=inbox) if self.env.agent_link else None
         if link is not None:  # the controller's messages come through the host agent (see proc_link)
             self.channel.add_link(link)
             hello["linked"] = True

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds a proc waits for its agent's ``linked`` before it goes without the link.
 LINK_TIMEOUT_S = 5.0
-_LINK, _LINKED = b"link", b"linked"
+_LINK, _LINKED, _INBOX = b"link", b"linked", b"inbox"
 _SOCKET_NAME = "procs.sock"
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes on Linux
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -67,7 +67,7 @@ class AgentLink:
         self.forwarded = 0
         self.unreachable = 0
         self.announced = 0
-        self._linked: dict[bytes, bytes] = {}  # route -> the pid its link named (its incarnation), in link order
+        self._linked: dict[bytes, tuple[bytes, bool]] = {}  # route -> (the pid its link named, has an inbox), in link order
         #: ``on_gathered(route, frames)`` for a proc's reply sent for gathering (first frame ``%N``;
         #: :class:`~monarch_nb.runtime.reply_gather.ReplyGather`); None: such messages are dropped
         self.on_gathered: Callable[[bytes, list[Any]], None] | None = None
@@ -101,37 +101,48 @@ class AgentLink:
                 frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) in (2, 3) and frames[1] == _LINK:
+            if 2 <= len(frames) <= 4 and frames[1] == _LINK:
                 try:
                     sock.send_multipart([frames[0], _LINKED])
                 except zmq.ZMQError:  # gone again already
                     self.unreachable += 1
                     continue
-                self._join(frames[0], frames[2] if len(frames) == 3 else b"")
+                self._join(frames[0], frames[2] if len(frames) > 2 else b"", frames[3:] == [_INBOX])
             elif len(frames) >= 3 and frames[1][:1] == b"%" and self.on_gathered is not None:
                 try:
                     self.on_gathered(frames[0], frames[1:])
                 except Exception:
                     log.exception("a reply for gathering from %r failed; the agent goes on", frames[0])
 
-    def _join(self, route: bytes, pid: bytes) -> None:
-        """``route`` linked: tell it who is on the host, and them of it."""
-        for other in list(self._linked):
-            if other != route:
+    def _join(self, route: bytes, pid: bytes, inbox: bool) -> None:
+        """``route`` linked: tell it which procs of the host have an inbox, and them of it if it
+        has one (a proc without one still sends to theirs)."""
+        for other, (_, has_inbox) in list(self._linked.items()):
+            if other == route:
+                continue
+            if has_inbox:
                 self._announce(route, JOINED + other)
+            if inbox:
                 self._announce(other, JOINED + route)
         self._linked.pop(route, None)  # a new incarnation of it: last in link order
-        self._linked[route] = pid
+        self._linked[route] = (pid, inbox)
 
     def leave(self, route: str, pid: int) -> None:
-        """Proc ``route`` of ``pid`` exited (reaped): its peers send through the controller
-        from now on. Not if a newer incarnation of it has linked since."""
+        """Proc ``route`` of ``pid`` (the agent's child) exited, reaped: its peers send through
+        the controller from now on. Not if a newer incarnation of it has linked since: the pid
+        its link named is another one, alive (a proc started through a wrapper that did not exec
+        names its own pid, dead with it)."""
         key = route.encode()
-        if self._linked.get(key) != str(pid).encode():
+        linked = self._linked.get(key)
+        if linked is None:
+            return
+        named = linked[0]
+        if named != str(pid).encode() and named.isdigit() and _alive(int(named)):
             return
         del self._linked[key]
-        for other in list(self._linked):
-            self._announce(other, LEFT + key)
+        if linked[1]:
+            for other in list(self._linked):
+                self._announce(other, LEFT + key)
 
     def _announce(self, to: bytes, news: bytes) -> None:
         sock = self.sock
@@ -164,21 +175,33 @@ class AgentLink:
             self.sock = None
 
 
-def link_to_agent(address: str, route: str, timeout_s: float = LINK_TIMEOUT_S, pid: int | None = None) -> "zmq.Socket[Any] | None":
+def link_to_agent(address: str, route: str, timeout_s: float = LINK_TIMEOUT_S, pid: int | None = None,
+                  inbox: bool = False) -> "zmq.Socket[Any] | None":
     """Connect proc ``route`` (process ``pid``, this one's by default) to its agent's link at
     ``address``; the connected DEALER once the agent answered, or None (logged) if it did not
     within ``timeout_s`` seconds: the proc then says so in its hello and the controller's
-    messages come straight to it. Announcements of the host's procs follow on it (see above)."""
+    messages come straight to it. Announcements of the host's procs follow on it (see above);
+    ``inbox``: this proc's inbox is bound (its peers are told of it)."""
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # replies for gathering go this way too: never block, never drop
     sock.setsockopt(zmq.IDENTITY, route.encode())
     sock.connect(address)
-    sock.send_multipart([_LINK, str(os.getpid() if pid is None else pid).encode()])
+    sock.send_multipart([_LINK, str(os.getpid() if pid is None else pid).encode(), *([_INBOX] if inbox else [])])
     if sock.poll(int(timeout_s * 1000)) and sock.recv() == _LINKED:
         return sock
     log.warning("proc %s: no answer from its host agent's link %s in %.0f s; the controller's messages "
                 "come straight to it", route, address, timeout_s)
     sock.close(linger=0)
     return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True

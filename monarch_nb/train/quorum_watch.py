@@ -38,51 +38,57 @@ CHECK_EVERY_S = 0.05
 
 
 class QuorumWatch:
-    """This rank's quorum members and the first one the runtime said died (thread-safe)."""
+    """This rank's quorum members and those the runtime said died since it formed (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._members: frozenset[int] = frozenset()
-        self._lost: int | None = None
+        self._lost: tuple[int, ...] = ()  # in the order heard
         self.abandoned = 0  #: collectives given up on because a member died
 
     def begin(self, members: Iterable[int]) -> None:
         """A new quorum of ``members`` (proc ranks): none of them is known dead (a failure heard
         before it is an earlier incarnation's: the controller formed this quorum after it)."""
         with self._lock:
-            self._members, self._lost = frozenset(members), None
+            self._members, self._lost = frozenset(members), ()
 
     def lose(self, rank: int) -> bool:
         """The runtime says proc rank ``rank`` failed (any thread); True if it is a member."""
         with self._lock:
             if rank not in self._members:
                 return False
-            if self._lost is None:
-                self._lost = rank
+            if rank not in self._lost:
+                self._lost = (*self._lost, rank)
             return True
 
-    @property
-    def lost(self) -> int | None:
-        """The first member said dead in this quorum, or None."""
-        return self._lost
+    def lost(self, among: Iterable[int] | None = None) -> int | None:
+        """The first member said dead (of ``among`` only, when given), or None."""
+        lost = self._lost
+        if among is None:
+            return lost[0] if lost else None
+        wanted = set(among)
+        return next((r for r in lost if r in wanted), None)
 
-    def wait(self, work: Any, group: Any) -> None:
-        """Wait for ``work`` (an async collective of ``group``) to complete.
+    def wait(self, work: Any, group: Any, members: Iterable[int] | None = None) -> None:
+        """Wait for ``work`` (an async gloo collective of ``group``) to complete; ``members``:
+        the proc ranks of ``group`` (default: the whole quorum).
 
         Raises:
-            CollectiveError: a member of the quorum died and ``work`` had not completed (it is
+            CollectiveError: a member of ``group`` died and ``work`` had not completed (it is
                 abandoned: kept with ``group`` until it ends, then released off this thread).
             RuntimeError: the collective's own error.
         """
         slice_ = timedelta(seconds=CHECK_EVERY_S)
+        among = None if members is None else tuple(members)
         while True:
             try:
                 work.wait(slice_)
                 return
             except RuntimeError:
-                if work.is_completed():
-                    raise  # the collective failed (a reset, gloo's own timeout): its error
-            lost = self._lost
+                if work.is_completed():  # it ended meanwhile: its own outcome (raises its error, if any)
+                    work.wait()
+                    return
+            lost = self.lost(among)
             if lost is not None:
                 self.abandoned += 1
                 _release_when_done(work, group)

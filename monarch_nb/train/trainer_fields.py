@@ -37,6 +37,7 @@ class TrainerFields:
     backend: str  #: "gloo" or "nccl"
     device: "torch.device"
     _world: int = 0  #: the quorum's size
+    _ranks: list[int] = []  #: the quorum's proc ranks (set by init_quorum)
     _step_ms_avg: float | None = None  #: the running mean of a step's time, milliseconds
     # set by Stepping._adopt (ft.wrap)
     model: Any = None

@@ -116,6 +116,14 @@ class Stepping(TrainerFields):
         self.applied_steps = self.next_step = 0
         self._point_grads(0)
 
+    def _replace_buffer(self, which: int) -> None:
+        """A fresh flat buffer ``which`` (zeros; the parameters' ``.grad`` point to it at the
+        next step's start), the old one left to the abandoned collective that holds it."""
+        old = self._bufs[which]
+        self._bufs[which] = old.new_zeros(old.shape)
+        self._views[which] = self._param_views(self._bufs[which])
+        self._reduced_step[which] = -1  # it no longer holds a reduced step
+
     def _param_views(self, buf) -> list:
         views, offset = [], 0
         for p in self.params:
@@ -270,18 +278,25 @@ class Stepping(TrainerFields):
         type(self.optimizer).step(self.optimizer)
 
     def _all_reduce(self, buf, step: int, split: bool) -> None:
-        import torch.distributed as dist
-
         if self._sharded:
             self._all_reduce_sharded(buf, step, split)
             return
         if self._world <= 1:
             return
-        group = dist.group.WORLD
-        error = self._reduce_pieces(
-            buf, step, split, lambda piece: self.watch.wait(dist.all_reduce(piece, op=dist.ReduceOp.SUM, async_op=True), group))
+        abandoned = self.watch.abandoned
+        error = self._reduce_pieces(buf, step, split, lambda piece: self._watched_all_reduce(piece))
         if error is not None:
-            self._collective_failed(step, error)
+            self._collective_failed(step, error, orphan=self.watch.abandoned != abandoned)
+
+    def _watched_all_reduce(self, tensor, members: Any = None) -> None:
+        """``dist.all_reduce`` (SUM) over the default group; with gloo it gives up as soon as the
+        runtime says one of ``members`` (default: the quorum) died (see :mod:`.quorum_watch`)."""
+        import torch.distributed as dist
+
+        if self.backend != "gloo":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            return
+        self.watch.wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), dist.group.WORLD, members)
 
     def _reduce_pieces(self, buf, step: int, split: bool, reduce: Any) -> str | None:
         """``reduce`` each piece of ``buf`` (two with ``split``); the error's text, or None."""
@@ -295,11 +310,15 @@ class Stepping(TrainerFields):
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def _collective_failed(self, step: int, error: str) -> None:
+    def _collective_failed(self, step: int, error: str, orphan: bool = False) -> None:
         # Close this group's connections now: in a ring only the dead rank's neighbours see the
         # reset, the others wait on them and are released by this close. The exception's
         # traceback holds the group, so it is dropped (the caller's except block ended) before
         # the group is destroyed (freed by refcount: no gc.collect, which costs ~0.4 s here).
+        # ``orphan``: a collective on this step's buffer was abandoned (quorum_watch) and may
+        # still write into it: the buffer is left to it and a fresh one takes its place.
+        if orphan:
+            self._replace_buffer(step & 1)
         self._broken = True
         self._leave_group()
         raise CollectiveError(f"rank {self.rank}: all_reduce of step {step} failed: {error}")
@@ -315,13 +334,16 @@ class Stepping(TrainerFields):
         import torch.distributed as dist
 
         error = None
+        abandoned = self.watch.abandoned
         if self._cross is not None:
-            error = self._reduce_pieces(buf, step, split, lambda piece: all_reduce_sum(self._cross, piece, self.watch.wait))
+            peers = [r for r in self._ranks if self.layout.shard_of(r) == self.layout.shard_of(self.rank)]
+            wait = (lambda work, group: self.watch.wait(work, group, peers)) if self.backend == "gloo" else None
+            error = self._reduce_pieces(buf, step, split, lambda piece: all_reduce_sum(self._cross, piece, wait))
         if dist.get_world_size() > 1:
             flag = torch.full((1,), 1.0 if error else 0.0, device=buf.device)  # on the GPU for nccl/RCCL
             vote = torch.cat([flag, buf[self._n :]])
             try:
-                self.watch.wait(dist.all_reduce(vote, op=dist.ReduceOp.SUM, async_op=True), dist.group.WORLD)
+                self._watched_all_reduce(vote, self.layout.members(self.rank))
             except Exception as exc:
                 error = error or f"{type(exc).__name__}: {exc} (its replica group's vote)"
             else:
@@ -329,7 +351,7 @@ class Stepping(TrainerFields):
                     error = error or "a partner in its replica group could not reduce its shard"
                 buf[self._n :].copy_(vote[1:])
         if error is not None:
-            self._collective_failed(step, error)
+            self._collective_failed(step, error, orphan=self.watch.abandoned != abandoned)
 
     @endpoint
     def arm_kill_in_collective(self, step: int) -> None:

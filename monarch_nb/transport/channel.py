@@ -33,11 +33,12 @@ the same host agent (:meth:`Channel.route_via`) is sent once, to the agent (a fi
 :mod:`monarch_nb.runtime.proc_link`); the header's ``fan`` lists the routes (``to``) and each
 field that differs by proc as a column in the same order. A message for one proc still goes
 straight to it (no extra hop on a ``call_one``), as does a message another peer sends it through
-the controller. Two paths must not change the order in which the controller's socket sends a
-proc its messages (the controller's own and those it passes on from peers: before the link they
-shared one pipe, and code relies on that, e.g. a spawn the controller sent before a peer's call to
-the new actor), so the controller numbers every
-message for a linked proc, per proc from 1, with the proc's incarnation (``pseq``): its own in
+the controller. (A peer of the same host sends it straight to the proc's inbox instead, never
+through the controller: :mod:`.local_peers`, which says how its order is kept.) Two paths must
+not change the order in which the controller's socket sends a proc its messages (the
+controller's own and those it passes on from peers: before the link they shared one pipe, and
+code relies on that, e.g. a spawn the controller sent before a peer's call to the new actor),
+so the controller numbers every message for a linked proc, per proc from 1, with the proc's incarnation (``pseq``): its own in
 their signed headers (a cast in its ``fan`` fields), a peer's message it passes on in front of
 the envelope, in the same frame (``^INC:N|``; the hub does not re-sign what it passes on, and a
 frame of its own would cost a send and a receive more). The proc delivers them in that
@@ -824,15 +825,14 @@ class Channel:
 
     def add_local_peers(self, peers: LocalPeers) -> None:
         """Send this proc's messages for the procs of its host straight to their inboxes, and
-        receive theirs on ``peers.inbox`` (bound), as from the channel's own socket (a DEALER
-        linked to its agent, whose announcements say who is on the host; see
+        receive theirs on ``peers.inbox`` when it is bound, as from the channel's own socket (a
+        DEALER linked to its agent, whose announcements say who is on the host; see
         :mod:`.local_peers`). Before :meth:`start` or :meth:`run_forever`."""
-        inbox = peers.inbox
-        if inbox is None:
-            raise ValueError("the inbox is not bound (LocalPeers.open)")
         self._local_peers = peers
-        self.add_reader(int(inbox.getsockopt(zmq.FD)), lambda fd: self._receive_link(inbox))
-        self._receive_link(inbox)
+        inbox = peers.inbox
+        if inbox is not None:
+            self.add_reader(int(inbox.getsockopt(zmq.FD)), lambda fd: self._receive_link(inbox))
+            self._receive_link(inbox)
 
     @property
     def local_peers(self) -> LocalPeers | None:

@@ -6,6 +6,7 @@ waiting for it (monarch_nb.runtime.actor_host)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -64,15 +65,15 @@ class Host:
                 raise AssertionError("not true within the deadline")
             time.sleep(0.002)
 
-    def add_proc(self, name: str, pid: int, linked: bool = True) -> Channel:
+    def add_proc(self, name: str, pid: int, linked: bool = True, inbox: bool = True) -> Channel:
         self.inbox.setdefault(name, Inbox())
         proc = self.procs[name] = Channel(f"{name}#{pid}", self.signer, self.inbox[name], hub="controller")
         if linked:
             peers = LocalPeers(str(self.tmp_path), name)
-            assert peers.open()
+            assert peers.open() if inbox else True
             proc.add_local_peers(peers)
             got: list[Any] = []
-            thread = threading.Thread(target=lambda: got.append(link_to_agent(self.link.address, name, 5, pid=pid)))
+            thread = threading.Thread(target=lambda: got.append(link_to_agent(self.link.address, name, 5, pid=pid, inbox=inbox)))
             thread.start()
             self.until(lambda: not thread.is_alive())
             assert got[0] is not None, "the agent answered the link"
@@ -128,16 +129,19 @@ def test_a_route_first_sent_through_the_hub_stays_there_until_its_proc_leaves(ho
     host.until(lambda: len(host.inbox["pm0.1"].calls()) == 1)
     assert host.controller.forwarded == 1
     host.procs.pop("pm0.1").close()
-    host.add_proc("pm0.1", 102)
+    alive = os.getpid()  # the new incarnation's pid: a live process (this one)
+    host.add_proc("pm0.1", alive)
     host.until(_known(a, "pm0.1"))
     for n in range(1, 20):
-        a.send("pm0.1#102", {"kind": "call", "n": n})
+        a.send(f"pm0.1#{alive}", {"kind": "call", "n": n})
     host.until(lambda: len(host.inbox["pm0.1"].calls()) == 20)
     assert [h["n"] for h in host.inbox["pm0.1"].calls()] == list(range(20))
     assert host.controller.forwarded == 20 and a.local_peers.sent == 0 and a.local_peers.through_hub == 19
-    # a stale exit (another pid) changes nothing; its own exit unpins, and the next link goes straight
+    # the exit of an older incarnation (pid 101, reaped late) changes nothing: the one linked is
+    # another, alive; its own exit unpins, and the next link goes straight
     host.link.leave("pm0.1", 101)
-    host.link.leave("pm0.1", 102)
+    assert host.link.announced == 2  # +pm0.1 to pm0.0, +pm0.0 to pm0.1
+    host.link.leave("pm0.1", alive)
     host.until(lambda: not _known(a, "pm0.1")())
     host.procs.pop("pm0.1").close()
     host.inbox["pm0.1"].items.clear()
@@ -146,7 +150,19 @@ def test_a_route_first_sent_through_the_hub_stays_there_until_its_proc_leaves(ho
     a.send("pm0.1#103", {"kind": "call", "n": 20})
     host.until(lambda: len(host.inbox["pm0.1"].calls()) == 1)
     assert host.controller.forwarded == 20 and a.local_peers.sent == 1
-    assert host.link.announced >= 4  # +pm0.1 twice to pm0.0, +pm0.0 to each pm0.1, -pm0.1
+    assert host.link.announced == 5  # and -pm0.1, then +pm0.1 and +pm0.0 again
+
+
+def test_a_proc_without_an_inbox_sends_straight_and_is_reached_through_the_hub(host):
+    """pm0.1's inbox did not bind: it is not announced, so pm0.0 reaches it through the
+    controller; pm0.1 is told of pm0.0's inbox and sends there straight."""
+    a = host.add_proc("pm0.0", 100)
+    b = host.add_proc("pm0.1", 101, inbox=False)
+    host.until(_known(b, "pm0.0"))
+    a.send("pm0.1#101", {"kind": "call", "n": 1})
+    b.send("pm0.0#100", {"kind": "call", "n": 2})
+    host.until(lambda: host.inbox["pm0.1"].calls() and host.inbox["pm0.0"].calls())
+    assert host.controller.forwarded == 1 and b.local_peers.sent == 1 and a.local_peers.sent == 0
 
 
 def test_an_inbox_drops_what_is_not_its_own(host):
@@ -232,6 +248,25 @@ def test_a_peers_call_before_the_spawn_waits_for_it_and_runs_after_it_in_order()
         assert actors.answered() == [(0, True, 0), (1, True, 1), (2, True, 2)]
         actors.timers[0][1]()  # its timer fires after the spawn: nothing left to refuse
         assert len(actors.answered()) == 3
+
+
+def test_a_peers_call_for_a_stopped_actor_waits_for_a_new_spawn_of_its_id():
+    """An actor stopped here, then a new mesh under the same id: a peer's call that comes before
+    the new spawn runs on the new actor (not refused with the old one's failure)."""
+    actors = Actors()
+    with contextlib.ExitStack() as stack:
+        stack.callback(actors.host.stop_all, 2.0)
+        actors.spawn("c")
+        actors.call("c", 1)
+        _wait(lambda: len(actors.answered()) == 1)
+        actors.host.dispatch({"kind": "stop_actors", "actor": "c", "ep": "", "cid": "c:stop", "idx": -2,
+                              "reply_to": "elsewhere"}, b"", [])
+        _wait(lambda: "c" in actors.host._tombstones)
+        actors.call("c", 2)
+        assert len(actors.answered()) == 1 and len(actors.timers) == 1, "held for a spawn"
+        actors.spawn("c")
+        _wait(lambda: len(actors.answered()) == 2)
+        assert actors.answered()[1] == (2, True, 2)
 
 
 def test_a_peers_call_whose_spawn_never_comes_is_refused_when_its_wait_ends():
