@@ -18,7 +18,11 @@ proc sends all of its messages for one route the same way, chosen at the first o
 *pinned*) and kept until that route's proc exits (``-ROUTE``). A route not yet known to be on
 the host at its first message keeps going through the hub until then, so an announcement that
 comes late never lets a straight message overtake one still on its way through the controller
-(the receiver's replay guard would drop the older one). There is no order between different
+(the receiver's replay guard would drop the older one); such a route stays on the hub for its
+proc's life (:attr:`LocalPeers.through_hub` counts what that costs). A proc remembers the ways
+of at most 65,536 routes; past that it forgets those through the hub of routes not on its host
+(chosen the same way again, unless such a route joins the host while a message to it is still
+in the controller: not expected at that count). There is no order between different
 senders (as in Monarch): the controller's own messages and a peer's may pass each other. The one
 case code relies on (the controller spawns an actor and passes its mesh on at once; a peer's
 call may reach the new actor's proc before the spawn) is kept by the receiver: a call that came
