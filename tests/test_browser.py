@@ -70,9 +70,12 @@ def _api(base: str, token: str, path: str, method: str = "GET") -> object:
 
 
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, request):
     """A JupyterLab server on 127.0.0.1 with a token, serving a copy of notebooks/ (the
-    "Monarch (Python 3)" kernelspec installed where it looks)."""
+    "Monarch (Python 3)" kernelspec installed where it looks). When the test failed, the end of
+    the server's log (its kernels' stderr: the runtime's and the trainer's warnings) is printed
+    and the whole log kept beside the screenshots."""
+    failed_before = request.session.testsfailed
     if CHROMIUM is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is missing in CI (.ci/run installs the apt package `chromium`)")
@@ -129,6 +132,11 @@ def lab(tmp_path):
             server.kill()
             server.wait()
         log.close()
+        if request.session.testsfailed > failed_before:
+            text = (tmp_path / "jupyterlab.log").read_text(errors="replace")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / f"{request.node.name}.jupyterlab.log").write_text(text)
+            print(f"--- the end of jupyter lab's log ({request.node.name}) ---\n{text[-6000:]}")
     pids.discard(0)
     wait_until(lambda: not [q for q in pids if pid_alive(q)], 10.0, message=f"the notebook kernel's workers {sorted(pids)} gone")
 
