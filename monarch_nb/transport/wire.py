@@ -120,7 +120,7 @@ class Signer:
         """The cluster key (to hand to processes of the same cluster)."""
         return self._key
 
-    def signature(self, header: bytes, body: bytes | memoryview, buffers: Sequence[Any] = ()) -> bytes:
+    def signature(self, header: bytes | memoryview, body: bytes | memoryview, buffers: Sequence[Any] = ()) -> bytes:
         mac = self._base.copy()
         mac.update(header)
         mac.update(body)
@@ -134,6 +134,9 @@ class Signer:
 INLINE_BODY_MAX = 64 * 1024
 _SIG_BYTES = 32
 _PREFIX = len(MAGIC) + 1 + _SIG_BYTES + 4
+_SIG_END = len(MAGIC) + 1 + _SIG_BYTES
+_INLINE, _SEPARATE = ord("I"), ord("S")  # the layout byte
+_REQUIRED_FIELDS = frozenset(("kind", "src", "dst", "seq", "nbuf"))
 
 
 def encode(signer: Signer, header: Header, body: bytes = b"", buffers: Sequence[Any] = ()) -> list[Any]:
@@ -159,32 +162,32 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[Header, memoryview, l
     """
     if not frames:
         raise BadMessage("empty message")
-    envelope = _view(frames[0])
-    if len(envelope) < _PREFIX or bytes(envelope[: len(MAGIC)]) != MAGIC:
+    first = frames[0]
+    envelope = first if type(first) is bytes else _view(first)  # a small envelope: copied out of the frame when received
+    size = len(envelope)
+    if size < _PREFIX or envelope[:4] != MAGIC:
         raise BadMessage("bad envelope (not a monarch_nb message, or another protocol version)")
-    layout = bytes(envelope[4:5])
-    signature = bytes(envelope[5 : 5 + _SIG_BYTES])
-    header_len = int.from_bytes(envelope[5 + _SIG_BYTES : _PREFIX], "big")
-    if _PREFIX + header_len > len(envelope):
+    header_end = _PREFIX + int.from_bytes(envelope[_SIG_END:_PREFIX], "big")
+    if header_end > size:
         raise BadMessage("header length runs past the envelope")
-    raw_header = bytes(envelope[_PREFIX : _PREFIX + header_len])
-    if layout == b"I":
-        body = envelope[_PREFIX + header_len :]
+    raw_header = envelope[_PREFIX:header_end]
+    layout = envelope[4]
+    if layout == _INLINE:
+        body = memoryview(envelope)[header_end:]
         rest = frames[1:]
-    elif layout == b"S" and len(frames) >= 2:
+    elif layout == _SEPARATE and len(frames) >= 2:
         body = _view(frames[1])
         rest = frames[2:]
     else:
-        raise BadMessage(f"bad layout {layout!r} for {len(frames)} frame(s)")
-    buffers = [_view(f) for f in rest]
-    expected = signer.signature(raw_header, body, buffers)
-    if not hmac.compare_digest(signature, expected):
+        raise BadMessage(f"bad layout {bytes([layout])!r} for {len(frames)} frame(s)")
+    buffers = [_view(f) for f in rest] if rest else []
+    if not hmac.compare_digest(envelope[5:_SIG_END], signer.signature(raw_header, body, buffers)):
         raise BadMessage("bad signature (unsigned, forged, or signed with another cluster key)")
     try:
         header = marshal.loads(raw_header)
     except (ValueError, EOFError, TypeError) as exc:
         raise BadMessage(f"header is not readable: {exc}") from None
-    if not isinstance(header, dict) or not all(k in header for k in ("kind", "src", "dst", "seq", "nbuf")):
+    if type(header) is not dict or not _REQUIRED_FIELDS <= header.keys():
         raise BadMessage("header lacks kind/src/dst/seq/nbuf")
     sizes = [b.nbytes for b in buffers]
     if header["nbuf"] != sizes:
