@@ -143,3 +143,32 @@ def test_a_phased_timer_runs_at_its_slot_of_the_wall_clock_and_keeps_it(monkeypa
         assert [round(b - a, 3) for a, b in zip(runs, runs[1:])] == [0.254, 0.276, 0.22]
     finally:
         ch.close()
+
+
+def test_a_beat_overwrites_a_longer_one_in_place_and_a_half_written_file_is_skipped(tmp_path):
+    children = {os.getpid(): "pm0.3"}
+    relay = _relay(tmp_path, children)
+    sender = HeartbeatSender(relay.folder)
+    sender.send({"busy": {"a0": ["a_long_endpoint_name", 12.5]}})
+    assert relay.summary().changed == {"pm0.3": {"busy": {"a0": ["a_long_endpoint_name", 12.5]}}}
+    sender.send({"busy": {}})  # shorter: padded over the longer one
+    assert relay.summary().changed == {"pm0.3": {"busy": {}}}
+    path = beat_path(relay.folder, os.getpid())
+    with open(path, "rb") as f:
+        whole = f.read()
+    with open(path, "r+b") as f:  # what a read meeting a write half done sees: another beat's bytes in the middle
+        f.seek(len(whole) // 2)
+        f.write(b'"seq": 9')
+    assert relay.summary() == RelaySummary((), {}, complete=False) and relay.dropped == 1, "skipped: not heard"
+    sender.send({"busy": {}})
+    assert relay.summary().heard == ("pm0.3",), "the next whole beat is read"
+
+
+def test_a_beat_file_removed_under_the_sender_is_written_again(tmp_path):
+    children = {os.getpid(): "pm0.4"}
+    relay = _relay(tmp_path, children)
+    sender = HeartbeatSender(relay.folder)
+    sender.send({"busy": {}})
+    relay.summary()
+    os.unlink(beat_path(relay.folder, os.getpid()))
+    assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.4",)
