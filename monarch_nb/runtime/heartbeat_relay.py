@@ -28,6 +28,7 @@ Classes:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -102,7 +103,9 @@ class HeartbeatRelay:
 
     Attributes:
         folder: the beats' folder, "" when disabled or it could not be made.
-        dropped: beat files that were unreadable (not JSON, too long, no sequence number).
+        dropped: beat files that were unreadable (not JSON, too long, no sequence number, a CRC-32
+            that does not match: a read that met a write half done, or the empty file of a sender
+            that has just opened it).
     """
 
     def __init__(self, run_folder: str, children: Callable[[], Iterable[tuple[int, str]]], *, enabled: bool = True) -> None:
@@ -219,13 +222,15 @@ class HeartbeatSender:
     where writing a file aside and renaming it over the last took ~100 µs of metadata work a beat
     (128 procs: 512 a second; docs/scale.md). A beat that cannot be written (the folder is gone:
     the agent exited, and this proc follows it) is dropped and counted; a file unlinked under an
-    open descriptor is seen (``fstat``) and the next beat opens the path again.
+    open descriptor is seen (``fstat``) and the beat opens the path again, as does one whose
+    descriptor was closed by other code and now names another file (never written to).
     """
 
     def __init__(self, folder: str) -> None:
         self.pid = os.getpid()
         self.path = beat_path(folder, self.pid)
         self._fd = -1  # opened at the first beat
+        self._file = (0, 0)  # the open file's (device, inode)
         self._length = 0  # the longest beat written: a shorter one is padded over it
         self._seq = 0
         self._lock = threading.Lock()  # any thread may beat (an import announces itself at once)
@@ -237,24 +242,48 @@ class HeartbeatSender:
             self._seq += 1
             data = frame_beat(json.dumps({"seq": self._seq, **fields}).encode())
             try:
-                if self._fd < 0 or os.fstat(self._fd).st_nlink == 0:
-                    self._reopen()
+                if self._fd >= 0:
+                    seen = os.fstat(self._fd)
+                    if (seen.st_dev, seen.st_ino) != self._file:  # the descriptor was closed under us and is another file's now
+                        self._fd, self._length = -1, 0  # (not ours to close)
+                    elif seen.st_nlink == 0:  # unlinked: the next beat would go nowhere
+                        self._close()
+                if self._fd < 0:
+                    self._open()
                 self._length = max(self._length, len(data))
                 os.pwrite(self._fd, data.ljust(self._length), 0)
                 return True
-            except OSError as exc:
+            except OSError as exc:  # the next beat opens the path again (never writes through a stale descriptor)
+                if exc.errno == errno.EBADF:
+                    self._fd, self._length = -1, 0  # closed under us: the number is not ours to close
+                else:
+                    self._close()
                 self.failures += 1
                 if self.failures == 1:
                     log.warning("heartbeat to the host agent dropped (%s)", exc)
                 return False
 
-    def _reopen(self) -> None:
+    def close(self) -> None:
+        """Close the beat file (the file stays: the agent removes it when this proc exits)."""
+        with self._lock:
+            self._close()
+
+    def _open(self) -> None:
         """Open the beat file at :attr:`path` (again, when the one open was unlinked). Raises OSError."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        self._length = 0
+        opened = os.fstat(self._fd)
+        self._file = (opened.st_dev, opened.st_ino)
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self._length = -1, 0
+
+
+_HEX_DIGITS = b"0123456789abcdef"
 
 
 def frame_beat(beat: bytes) -> bytes:
@@ -269,7 +298,7 @@ def unframe_beat(data: bytes) -> bytes:
         ValueError: no CRC in front, or one that does not match (a read that met a write half
             done, or a file not written by :class:`HeartbeatSender`).
     """
-    beat = data[9:].rstrip(b" ")
-    if len(data) < 9 or data[8:9] != b" " or int(data[:8], 16) != zlib.crc32(beat):
+    crc, beat = data[:8], data[9:].rstrip(b" ")
+    if len(crc) < 8 or data[8:9] != b" " or crc.strip(_HEX_DIGITS) or int(crc, 16) != zlib.crc32(beat):
         raise ValueError("beat file without a matching CRC-32")
     return beat

@@ -26,6 +26,7 @@ def test_a_proc_is_sent_with_its_fields_once_then_only_as_heard(tmp_path):
     assert relay.summary().heard == ("pm0.0",), "heard, fields unchanged: the identity alone"
     sender.send({"busy": {"a0": ["step", 1.5]}})
     assert relay.summary().changed == {"pm0.0": {"busy": {"a0": ["step", 1.5]}}}
+    sender.close()
     relay.close()
     assert not os.path.exists(os.path.join(tmp_path, "heartbeats"))
 
@@ -46,11 +47,15 @@ def test_only_the_agents_children_are_read_and_garbage_is_counted(tmp_path):
 def test_a_new_incarnation_starts_as_never_heard(tmp_path):
     children = {os.getpid(): "pm0.2"}
     relay = _relay(tmp_path, children)
-    HeartbeatSender(relay.folder).send({"busy": {}})
+    first = HeartbeatSender(relay.folder)
+    first.send({"busy": {}})
+    first.close()
     relay.summary()
     relay.forget(os.getpid())  # it exited (its file goes); a restart with the same pid, as a test stands in
     assert not os.path.exists(beat_path(relay.folder, os.getpid()))
-    HeartbeatSender(relay.folder).send({"busy": {}})
+    second = HeartbeatSender(relay.folder)
+    second.send({"busy": {}})
+    second.close()
     assert relay.summary().changed == {"pm0.2": {"busy": {}}}
 
 
@@ -61,6 +66,7 @@ def test_disabled_or_gone_the_relay_says_nothing_and_the_sender_drops_without_ra
     sender = HeartbeatSender(relay.folder)
     relay.close()
     assert sender.send({"busy": {}}) is False and sender.failures == 1
+    sender.close()
 
 
 def test_an_idle_host_beats_every_second_tick_and_sends_what_it_heard_meanwhile(tmp_path):
@@ -76,6 +82,7 @@ def test_an_idle_host_beats_every_second_tick_and_sends_what_it_heard_meanwhile(
         sent.append(cadence.take(relay.summary(), 0.0, []))
     assert [s is not None for s in sent] == [False, True] * 3, "every second tick"
     assert all(s.heard == ("pm0.0",) for s in sent if s is not None), "what a skipped tick heard goes out with the next"
+    sender.close()
 
 
 def test_anything_new_makes_the_very_next_tick_send(tmp_path):
@@ -162,6 +169,7 @@ def test_a_beat_overwrites_a_longer_one_in_place_and_a_half_written_file_is_skip
     assert relay.summary() == RelaySummary((), {}, complete=False) and relay.dropped == 1, "skipped: not heard"
     sender.send({"busy": {}})
     assert relay.summary().heard == ("pm0.3",), "the next whole beat is read"
+    sender.close()
 
 
 def test_a_beat_file_removed_under_the_sender_is_written_again(tmp_path):
@@ -172,3 +180,24 @@ def test_a_beat_file_removed_under_the_sender_is_written_again(tmp_path):
     relay.summary()
     os.unlink(beat_path(relay.folder, os.getpid()))
     assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.4",)
+    sender.close()
+
+
+def test_a_beat_never_goes_through_a_descriptor_closed_under_the_sender(tmp_path):
+    children = {os.getpid(): "pm0.5"}
+    relay = _relay(tmp_path, children)
+    sender = HeartbeatSender(relay.folder)
+    sender.send({"busy": {}})
+    relay.summary()
+    fd = sender._fd
+    os.close(fd)  # other code closes it (a bug there) ...
+    other = tmp_path / "other"
+    other.write_bytes(b"IMPORTANT DATA")
+    reused = os.open(other, os.O_RDWR)  # ... and its number goes to another file
+    try:
+        assert reused == fd
+        assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.5",), "written to the beat file, opened again"
+        assert other.read_bytes() == b"IMPORTANT DATA", "the other file is untouched"
+    finally:
+        os.close(reused)
+        sender.close()
