@@ -2,6 +2,7 @@
 
     python bench/scale.py [--procs 4,16,64,128] [--calls 50] [--idle-s 10] [--quick] [--heartbeats both]
         [--simulated 1,8,64,1024] [--per-host 8] [--paths direct,agents,tree]
+    python bench/scale.py --baseline CHECKOUT [--procs 4,128] [--calls 60] [--repeat 2]
 
 Both liveness paths in one run, each in its own controller process: ``agents`` (today's
 default: procs heartbeat to their host agent, which sums them up in one message per interval,
@@ -61,6 +62,16 @@ replies went up the tree: the same-run baseline for that step). On the tree
 path it also records when the tree formed (every relay ready, every placed member heard through
 its relay), then silences one relay: how soon its members heartbeat straight, when the relay is
 lost, and that none of its members is lost wrongly.
+
+``--baseline CHECKOUT`` runs only a same-run comparison with another monarch_nb checkout (the
+code before a change, or the commit an issue started from): for each ``--procs`` size, a script
+that uses only the public API (:data:`SAME_API_SCRIPT`: spawn N procs, a call to all of a
+trivial actor, ``--calls`` timed after 20 warm ones) runs on this checkout and on CHECKOUT in
+turns, ``--repeat`` times each, and reports the call's p50 and every proc thread's CPU per call
+(``schedstat``): the actors' threads, the proc's IO thread (its main thread), libzmq's IO thread,
+with their run periods (wake-ups) per call. Figures of two days' machines differ by more than
+most changes do (this machine's call to all of 128 procs: 35-38 ms one day, 41-53 another), so
+a before/after is only read from one run.
 
 What this does not do: a peer in the same run (torchmonarch's figures on real hosts are Monarch
 PR #4875's; ipyparallel's broadcast is in bench/actor_latency.py). Prints tables and writes bench/results/scale.json.
@@ -179,6 +190,105 @@ def raw_call_all_floor(n: int, calls: int) -> float:
         with contextlib.suppress(OSError):
             os.unlink(address.removeprefix("ipc://"))
     return statistics.median(samples[5:])
+
+
+#: A call to all of N real procs through the public API only (it runs on older checkouts too):
+#: ``python -c SAME_API_SCRIPT N CALLS`` prints one JSON line.
+SAME_API_SCRIPT = """
+import json, os, statistics, sys, time
+from monarch_nb import Actor, endpoint, this_host
+
+class Ping(Actor):
+    @endpoint
+    def ping(self):
+        return os.getpid()
+
+def threads(pids):
+    cpu, periods = {"actor": 0, "io": 0, "libzmq": 0}, {"actor": 0, "io": 0, "libzmq": 0}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read()
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ran_ns, _, slices = map(int, f.read().split())
+            except (OSError, ValueError):
+                continue
+            kind = "libzmq" if name.startswith("ZMQbg") else "io" if int(tid) == pid else "actor"
+            cpu[kind] += ran_ns
+            periods[kind] += slices
+    return cpu, periods
+
+n, calls = int(sys.argv[1]), int(sys.argv[2])
+procs = this_host().spawn_procs(per_host={"gpus": n})
+try:
+    actors = procs.spawn("ping", Ping)
+    pids = sorted({pid for _, pid in actors.ping.call().get().items()})
+    for _ in range(20):
+        actors.ping.call().get()
+    time.sleep(1.0)
+    cpu0, periods0, own0 = *threads(pids), time.process_time()
+    rtts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        actors.ping.call().get()
+        rtts.append(time.perf_counter() - t0)
+    own = time.process_time() - own0
+    cpu, periods = threads(pids)
+finally:
+    procs.stop()
+rtts.sort()
+print(json.dumps({"procs": n, "call_all_p50_ms": 1e3 * statistics.median(rtts), "call_all_p95_ms": 1e3 * rtts[int(0.95 * (len(rtts) - 1))],
+                  "controller_cpu_per_call_all_ms": 1e3 * own / calls,
+                  "proc_thread_cpu_us_per_call": {k: (cpu[k] - cpu0[k]) / 1e3 / calls / n for k in cpu},
+                  "proc_thread_periods_per_call": {k: (periods[k] - periods0[k]) / calls / n for k in periods}}))
+"""
+
+
+def same_api_call_all(checkout: Path, n: int, calls: int) -> dict:
+    """:data:`SAME_API_SCRIPT` on ``checkout``'s monarch_nb at ``n`` procs; its JSON.
+
+    Raises:
+        RuntimeError: the script failed (its stderr's end in the message).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(checkout.resolve())
+    with tempfile.TemporaryDirectory(prefix="mnb-scale-") as cwd:  # not a checkout: `-c` puts cwd first on sys.path
+        result = subprocess.run([sys.executable, "-c", SAME_API_SCRIPT, str(n), str(calls)], capture_output=True, text=True,
+                                env=env, cwd=cwd, timeout=1800)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"the call to all of {n} procs on {checkout} failed (exit {result.returncode}): {result.stderr[-1500:]}")
+    return json.loads(lines[-1])
+
+
+def compare_with_baseline(baseline: Path, sizes: list[int], calls: int, repeat: int) -> list[dict]:
+    """Each size on this checkout and on ``baseline`` in turns, ``repeat`` times; per size and
+    checkout the median of each figure over the repeats, the runs kept under ``runs``."""
+    rows = []
+    for n in sizes:
+        runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+        for _ in range(repeat):
+            runs["this"].append(same_api_call_all(ROOT, n, calls))
+            runs["baseline"].append(same_api_call_all(baseline, n, calls))
+        for which, done in runs.items():
+            row: dict = {"procs": n, "code": which, "checkout": str(ROOT if which == "this" else baseline.resolve())}
+            for key in ("call_all_p50_ms", "call_all_p95_ms", "controller_cpu_per_call_all_ms"):
+                row[key] = statistics.median(r[key] for r in done)
+            for key in ("proc_thread_cpu_us_per_call", "proc_thread_periods_per_call"):
+                row[key] = {kind: statistics.median(r[key][kind] for r in done) for kind in ("actor", "io", "libzmq")}
+            rows.append({**row, "runs": done})
+    return rows
+
+
+def _print_comparison(rows: list[dict]) -> None:
+    print(f"{'procs':>6} {'code':>9} {'call-all p50 ms':>16} {'p95 ms':>8} {'ctrl CPU/call ms':>17} "
+          f"{'actor us (runs)':>16} {'proc IO us (runs)':>18} {'libzmq us (runs)':>17}   (per proc and call; medians)")
+    for r in rows:
+        cpu, periods = r["proc_thread_cpu_us_per_call"], r["proc_thread_periods_per_call"]
+        print(f"{r['procs']:>6} {r['code']:>9} {r['call_all_p50_ms']:>16.2f} {r['call_all_p95_ms']:>8.2f} "
+              f"{r['controller_cpu_per_call_all_ms']:>17.2f} "
+              + " ".join(f"{f'{cpu[k]:.0f} ({periods[k]:.1f})':>{w}}" for k, w in (("actor", 16), ("io", 18), ("libzmq", 17))))
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -508,10 +618,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated paths, comma-separated: direct (every proc to the controller), agents (one "
                         "message per host), tree (agents' heartbeats and casts through relays, replies merged up "
                         "them; from relay_min_hosts hosts), tree-down (the same with each host's replies straight)")
+    p.add_argument("--baseline", type=Path,
+                   help="another monarch_nb checkout: run only the same-API call to all at each --procs size on this "
+                        "checkout and on that one, in turns (see above)")
+    p.add_argument("--repeat", type=int, default=2, help="with --baseline: runs of each checkout per size (default 2)")
     p.add_argument("--rows-to", help=argparse.SUPPRESS)  # a mode's child process writes its rows here
     args = p.parse_args(argv)
     if args.quick:
         args.procs, args.calls, args.idle_s = "4,16,64", 20, 5.0
+    if args.baseline is not None:
+        if not (args.baseline / "monarch_nb" / "__init__.py").is_file():
+            p.error(f"--baseline {args.baseline}: no monarch_nb package there (make one with `git worktree add DIR COMMIT`)")
+        if args.repeat < 1:
+            p.error("--repeat must be at least 1")
+        compared = compare_with_baseline(args.baseline, [int(n) for n in args.procs.split(",") if n], args.calls, args.repeat)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "scale_baseline.json").write_text(json.dumps({"host": os.uname().nodename, "cores": os.cpu_count(),
+                                                                  "rows": compared}, indent=1))
+        _print_comparison(compared)
+        print(f"JSON: {RESULTS / 'scale_baseline.json'}")
+        return 0
     if args.rows_to:
         rows = [measure(int(n), args.calls, args.idle_s) for n in args.procs.split(",")]
         Controller.get().shutdown()
