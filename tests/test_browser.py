@@ -232,7 +232,17 @@ def test_kill_from_the_tree_while_a_cell_waits(lab):
         # shows (every step so far kept), %mesh stop leaves snapshots of the widgets
         stop = page.locator(".mnb-dash .mnb-dash-stop")
         expect(stop).to_be_enabled(timeout=10_000)
-        stop.click()
+        # a person's click lasts ~100 ms, over which the dashboard redraws: press, let it redraw
+        # (the step moves), release: the click must hold (a button made anew at each redraw lost it)
+        stop.scroll_into_view_if_needed()
+        box = stop.bounding_box()
+        assert box is not None
+        progress = page.locator(".mnb-dash .mnb-progress-text").first
+        before = progress.text_content()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        expect(progress).not_to_have_text(before or "", timeout=10_000)
+        page.mouse.up()
         expect(page.locator(".jp-OutputArea-output", has_text="training report").first).to_be_visible(timeout=60_000)
         stopped = page.locator(".jp-OutputArea-output:not(:has(.mnb-dash, .mnb-dash-static))", has_text="stopped before the last step")
         expect(stopped).to_have_count(1, timeout=10_000)  # the printed report (the dashboard shows it too)

@@ -84,47 +84,54 @@ function chart(title, points, key, markers, color, maxStep) {
 }
 function render({ model, el }) {
   const root = document.createElement("div"); root.className = "mnb-dash"; el.append(root);
+  // The elements stay; a redraw (up to 10 a second while training) changes their contents. A
+  // button made anew at each redraw lost the clicks whose mousedown and mouseup fell on either
+  // side of one (a person's click lasts ~100 ms), and the timeline lost its scroll position.
+  const head = document.createElement("div"); head.className = "mnb-progress";
+  const bar = document.createElement("progress");
+  const text = document.createElement("span"); text.className = "mnb-progress-text";
+  const stop = document.createElement("button");
+  stop.className = "mnb-dash-stop"; stop.textContent = "stop training";
+  stop.title = "end the run at the next step boundary: every step so far is kept, and the report shows";
+  stop.onclick = () => {
+    stop.disabled = true; model.send({action: "stop"});
+    setTimeout(() => { stop.disabled = false; }, 5000);  // not answered (still training): may be clicked again
+  };
+  head.append(bar, text, " ", stop);
+  const charts = document.createElement("div"); charts.className = "mnb-charts";
+  const ft = document.createElement("div"); ft.className = "mnb-figures";
+  const tl = document.createElement("div"); tl.className = "mnb-timeline";
+  const rep = document.createElement("pre"); rep.className = "mnb-report";
+  root.append(head, charts, ft, tl, rep);
   const draw = () => {
-    root.replaceChildren();
     const p = model.get("progress") || {};
-    const head = document.createElement("div"); head.className = "mnb-progress";
-    const bar = document.createElement("progress"); bar.max = p.total || 1; bar.value = p.step || 0;
-    head.append(bar, ` step ${p.step || 0}/${p.total || "?"} · ${p.status || ""}` +
+    bar.max = p.total || 1; bar.value = p.step || 0;
+    text.textContent = ` step ${p.step || 0}/${p.total || "?"} · ${p.status || ""}` +
       (p.loss !== undefined && p.loss !== null ? ` · loss ${Number(p.loss).toFixed(4)}` : "") +
       (p.accuracy !== undefined && p.accuracy !== null ? ` · batch accuracy ${(100 * p.accuracy).toFixed(1)}%` : "") +
       (p.grad_norm !== undefined && p.grad_norm !== null ? ` · grad norm ${Number(p.grad_norm).toPrecision(3)}` : "") +
-      (p.live_ranks !== undefined && p.live_ranks !== null ? ` · live ranks ${p.live_ranks}` : ""));
-    if (p.stoppable) {
-      const stop = document.createElement("button");
-      stop.className = "mnb-dash-stop"; stop.textContent = "stop training";
-      stop.title = "end the run at the next step boundary: every step so far is kept, and the report shows";
-      stop.onclick = () => { stop.disabled = true; model.send({action: "stop"}); };
-      head.append(" ", stop);
-    }
-    root.append(head);
+      (p.live_ranks !== undefined && p.live_ranks !== null ? ` · live ranks ${p.live_ranks}` : "");
+    stop.hidden = !p.stoppable;
     const pts = model.get("metrics") || [], markers = model.get("markers") || [];
     const maxStep = Math.max(p.total || 0, ...pts.map(q => q.step), 1);
-    const charts = document.createElement("div"); charts.className = "mnb-charts";
-    charts.append(chart("loss", pts, "loss", markers, "#1565c0", maxStep), chart("batch accuracy", pts, "accuracy", markers, "#6a1b9a", maxStep));
+    const drawn = [chart("loss", pts, "loss", markers, "#1565c0", maxStep), chart("batch accuracy", pts, "accuracy", markers, "#6a1b9a", maxStep)];
     if (pts.some(q => q.grad_norm !== null && q.grad_norm !== undefined))
-      charts.append(chart("grad norm", pts, "grad_norm", markers, "#ef6c00", maxStep));
-    root.append(charts);
+      drawn.push(chart("grad norm", pts, "grad_norm", markers, "#ef6c00", maxStep));
+    charts.replaceChildren(...drawn);
     const figs = model.get("figures") || {};
-    const ft = document.createElement("div"); ft.className = "mnb-figures";
     const names = Object.keys(figs);
     ft.textContent = names.length ? "recovery: " + names.map(
       k => `${k} ${figs[k].median_ms.toFixed(0)} ms (n=${figs[k].n}, max ${figs[k].max_ms.toFixed(0)})`).join(" · ")
       : "recovery: no failure yet";
-    root.append(ft);
-    const tl = document.createElement("div"); tl.className = "mnb-timeline";
+    const rows = [];
     for (const e of (model.get("timeline") || []).slice().reverse()) {
       const row = document.createElement("div"); row.className = `mnb-tl mnb-tl-${e.type}`;
       row.textContent = `${e.clock}  ${e.step !== null && e.step !== undefined ? "step " + e.step + "  " : ""}${e.label}`;
-      tl.append(row);
+      rows.push(row);
     }
-    root.append(tl);
-    const rep = model.get("report");
-    if (rep) { const pre = document.createElement("pre"); pre.className = "mnb-report"; pre.textContent = rep; root.append(pre); }
+    tl.replaceChildren(...rows);
+    const report = model.get("report");
+    rep.textContent = report || ""; rep.hidden = !report;
   };
   for (const n of ["progress", "metrics", "markers", "figures", "timeline", "report"]) model.on(`change:${n}`, draw);
   draw();
@@ -136,6 +143,7 @@ _CSS = """
 .mnb-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; }
 .mnb-progress progress { width: 240px; vertical-align: middle; }
 .mnb-dash-stop { margin-left: 8px; font-size: 11px; }
+.mnb-dash [hidden] { display: none !important; }
 .mnb-charts { display: flex; flex-wrap: wrap; gap: 8px; margin: 4px 0; }
 .mnb-figures { margin: 4px 0; font-weight: bold; }
 .mnb-timeline { max-height: 140px; overflow: auto; font-family: var(--jp-code-font-family, monospace); }
