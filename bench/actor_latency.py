@@ -28,7 +28,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -252,16 +251,8 @@ print(json.dumps(out))
 
 def run_actor_script(python: str, module: str, calls: int, quick: bool, env_extra: dict | None = None) -> dict | None:
     """Run :data:`ACTOR_SCRIPT` with ``python`` on ``module``; its JSON, or None if it failed."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(env_extra or {})
-    with tempfile.TemporaryDirectory(prefix="mnb-bench-") as cwd:  # not the checkout: `-c` puts cwd first on sys.path
-        result = subprocess.run([python, "-c", ACTOR_SCRIPT.replace("MODULE", module), str(calls), "1" if quick else "0"],
-                                capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
-    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
-    if result.returncode != 0 or not lines:
-        print(f"{module} run failed (exit {result.returncode}): {result.stderr[-1500:]}", file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
+    return _peers.run_json_script(python, ACTOR_SCRIPT.replace("MODULE", module), (str(calls), "1" if quick else "0"),
+                                  env_extra=env_extra, label=f"{module} run")
 
 
 def _baseline_env(checkout: Path) -> dict:

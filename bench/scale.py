@@ -95,7 +95,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import _peers  # noqa: E402
 import monarch_nb  # noqa: E402
 from monarch_nb import Actor, endpoint  # noqa: E402
 from monarch_nb.config import config  # noqa: E402
@@ -249,17 +251,13 @@ def same_api_call_all(checkout: Path, n: int, calls: int) -> dict:
     """:data:`SAME_API_SCRIPT` on ``checkout``'s monarch_nb at ``n`` procs; its JSON.
 
     Raises:
-        RuntimeError: the script failed (its stderr's end in the message).
+        RuntimeError: the script failed (its stderr's end is printed above).
     """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(checkout.resolve())
-    with tempfile.TemporaryDirectory(prefix="mnb-scale-") as cwd:  # not a checkout: `-c` puts cwd first on sys.path
-        result = subprocess.run([sys.executable, "-c", SAME_API_SCRIPT, str(n), str(calls)], capture_output=True, text=True,
-                                env=env, cwd=cwd, timeout=1800)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"the call to all of {n} procs on {checkout} failed (exit {result.returncode}): {result.stderr[-1500:]}")
-    return json.loads(lines[-1])
+    result = _peers.run_json_script(sys.executable, SAME_API_SCRIPT, (str(n), str(calls)), env_extra={"PYTHONPATH": str(checkout.resolve())},
+                                    label=f"the call to all of {n} procs on {checkout}", timeout_s=1800)
+    if result is None:
+        raise RuntimeError(f"the call to all of {n} procs on {checkout} failed (see above)")
+    return result
 
 
 def compare_with_baseline(baseline: Path, sizes: list[int], calls: int, repeat: int) -> list[dict]:
