@@ -245,7 +245,7 @@ class HeartbeatSender:
                 if self._fd >= 0:
                     seen = os.fstat(self._fd)
                     if (seen.st_dev, seen.st_ino) != self._file:  # the descriptor was closed under us and is another file's now
-                        self._fd, self._length = -1, 0  # (not ours to close)
+                        self._close(owned=False)
                     elif seen.st_nlink == 0:  # unlinked: the next beat would go nowhere
                         self._close()
                 if self._fd < 0:
@@ -254,10 +254,7 @@ class HeartbeatSender:
                 os.pwrite(self._fd, data.ljust(self._length), 0)
                 return True
             except OSError as exc:  # the next beat opens the path again (never writes through a stale descriptor)
-                if exc.errno == errno.EBADF:
-                    self._fd, self._length = -1, 0  # closed under us: the number is not ours to close
-                else:
-                    self._close()
+                self._close(owned=exc.errno != errno.EBADF)  # EBADF: closed under us
                 self.failures += 1
                 if self.failures == 1:
                     log.warning("heartbeat to the host agent dropped (%s)", exc)
@@ -274,8 +271,10 @@ class HeartbeatSender:
         opened = os.fstat(self._fd)
         self._file = (opened.st_dev, opened.st_ino)
 
-    def _close(self) -> None:
-        if self._fd >= 0:
+    def _close(self, owned: bool = True) -> None:
+        """Let the descriptor go; close it only if ``owned`` (not when other code closed it under
+        us: its number may be another file's now)."""
+        if owned and self._fd >= 0:
             try:
                 os.close(self._fd)
             except OSError:

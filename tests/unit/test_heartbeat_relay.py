@@ -172,23 +172,25 @@ def test_a_beat_overwrites_a_longer_one_in_place_and_a_half_written_file_is_skip
     sender.close()
 
 
-def test_a_beat_file_removed_under_the_sender_is_written_again(tmp_path):
-    children = {os.getpid(): "pm0.4"}
-    relay = _relay(tmp_path, children)
+@pytest.fixture
+def heard_once(tmp_path):
+    """A relay whose one child is this process ("pm0.4"), and its sender, heard once."""
+    relay = _relay(tmp_path, {os.getpid(): "pm0.4"})
     sender = HeartbeatSender(relay.folder)
     sender.send({"busy": {}})
     relay.summary()
-    os.unlink(beat_path(relay.folder, os.getpid()))
-    assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.4",)
+    yield relay, sender
     sender.close()
 
 
-def test_a_beat_never_goes_through_a_descriptor_closed_under_the_sender(tmp_path):
-    children = {os.getpid(): "pm0.5"}
-    relay = _relay(tmp_path, children)
-    sender = HeartbeatSender(relay.folder)
-    sender.send({"busy": {}})
-    relay.summary()
+def test_a_beat_file_removed_under_the_sender_is_written_again(heard_once):
+    relay, sender = heard_once
+    os.unlink(beat_path(relay.folder, os.getpid()))
+    assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.4",)
+
+
+def test_a_beat_never_goes_through_a_descriptor_closed_under_the_sender(tmp_path, heard_once):
+    relay, sender = heard_once
     fd = sender._fd
     os.close(fd)  # other code closes it (a bug there) ...
     other = tmp_path / "other"
@@ -196,8 +198,7 @@ def test_a_beat_never_goes_through_a_descriptor_closed_under_the_sender(tmp_path
     reused = os.open(other, os.O_RDWR)  # ... and its number goes to another file
     try:
         assert reused == fd
-        assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.5",), "written to the beat file, opened again"
+        assert sender.send({"busy": {}}) and relay.summary().heard == ("pm0.4",), "written to the beat file, opened again"
         assert other.read_bytes() == b"IMPORTANT DATA", "the other file is untouched"
     finally:
         os.close(reused)
-        sender.close()
