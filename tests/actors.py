@@ -63,6 +63,14 @@ class Worker(Actor):
         return seconds
 
     @endpoint
+    def block(self, started: str, seconds: float) -> float:
+        """Hold this actor's thread ``seconds``, having created the file ``started`` first."""
+        with open(started, "w"):
+            pass
+        threading.Event().wait(seconds)
+        return seconds
+
+    @endpoint
     def unpicklable_result(self):
         return threading.Lock()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -36,6 +37,26 @@ def test_every_adverb(procs4):
     assert sorted(f.get(timeout=10) for f in counters.incr.stream(by=0)) == [17, 17, 17, 18]
     async_counters = procs4.spawn("async_counters", AsyncCounter, 1)
     assert async_counters.incr.call(by=1).get(timeout=10).values() == [2, 2, 2, 2]
+
+
+def test_a_long_endpoint_leaves_the_other_actors_of_its_proc_answering(procs4, tmp_path):
+    """While one actor of a proc runs a long endpoint, another actor of that proc still answers at
+    once: the proc's IO thread takes the receive lease over, even after a stream of short calls has
+    backed its looks off to the longest wait (channel._IO_RECHECK_MAX_S, 0.16 s). Without the
+    takeover the call would wait for the long endpoint's end (4 s)."""
+    workers, counters = procs4.spawn("workers", Worker), procs4.spawn("counters", Counter)
+    worker, counter = workers.slice(gpus=1), counters.slice(gpus=1)
+    stream_until = time.monotonic() + 1.0
+    while time.monotonic() < stream_until:  # short calls: the lease changes hands; the IO thread backs off
+        assert worker.echo.call_one(7).get(timeout=10) == 7
+    started = tmp_path / "started"
+    blocked = worker.block.call_one(str(started), 4.0)
+    wait_until(started.exists, 10, message="the long endpoint to start")
+    t0 = time.monotonic()
+    assert counter.incr.call_one().get(timeout=10) == 1
+    waited_s = time.monotonic() - t0
+    assert waited_s < 2.0, f"another actor of the proc answered after {waited_s:.2f} s, behind the long endpoint"
+    assert blocked.get(timeout=20) == 4.0
 
 
 def test_call_one_on_many_is_a_clear_error(procs4):

@@ -14,8 +14,9 @@ machine each wake-up of another thread costs about as much as a whole ZeroMQ hop
 leads when no one else does: it yields to a waiting thread at once, and takes the lease back
 when it has been free for :data:`TAKEOVER_S` (an endpoint is running), so control messages and
 heartbeat timers are never held up much longer than that (it looks every
-:data:`_IO_RECHECK_S`, and a leader that had kept the lease :data:`_IO_IDLE_WAIT_S`, an idle
-actor, wakes it by letting go). Handlers therefore run on whichever thread leads, one at a time.
+:data:`_IO_RECHECK_S`, backing off to :data:`_IO_RECHECK_MAX_S` while it keeps finding the
+lease taken, and a leader that had kept the lease :data:`_IO_IDLE_WAIT_S`, an idle actor, wakes
+it by letting go). Handlers therefore run on whichever thread leads, one at a time.
 
 ZMQ_FD is edge-triggered and a send may consume its edge, so after every send the sender checks
 ZMQ_EVENTS and wakes the leader if input is pending. Received messages are verified
@@ -155,15 +156,21 @@ _ZERO_COPY_MIN_BYTES = 64 * 1024
 # option's value int | bytes: int(...) around an int-valued getsockopt says which)
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK),
                                                    int(zmq.SNDMORE), int(zmq.RCVMORE))
-#: How often the IO thread looks at the lease while a busy thread keeps taking it back (seconds):
-#: a leader that starts a long endpoint leaves messages and timers waiting at most this much more.
+#: How often the IO thread looks at the lease while a busy thread keeps taking it back (seconds),
+#: at first: each look that finds it taken again doubles the wait, up to :data:`_IO_RECHECK_MAX_S`,
+#: and a look that finds it free (an endpoint runs) starts again from this.
 _IO_RECHECK_S = 0.02
+#: The longest wait between two looks (seconds): a leader that starts a long endpoint leaves messages
+#: and timers waiting at most this much more (plus :data:`TAKEOVER_S`). Every look is a wake-up of the
+#: proc's IO thread, run cold when many procs share the cores: looking every 20 ms cost a call to all
+#: of 128 procs on 2 cores ~80 µs of CPU a proc (2.4-3 wake-ups a call), backing off ~20 (0.6).
+_IO_RECHECK_MAX_S = 0.16
 #: A leader that has kept the lease this long (seconds; an idle actor receiving on its own thread)
 #: is waited for: the IO thread sleeps until it lets go (which wakes it at once) or this much
 #: longer, instead of looking every :data:`_IO_RECHECK_S`, which cost an idle proc 50 wake-ups a
 #: second (62 context switches a second in all, 11 now). Its wake-up costs the first call after
 #: such a wait ~0.1-0.3 ms (this machine). While the lease changes hands (a busy actor) the IO
-#: thread keeps looking every 20 ms: waking it at every release put a context switch on every
+#: thread keeps looking (every 20 ms, backing off): waking it at every release put a context switch on every
 #: call's path (a call to all of 128 procs of this machine 39 ms against 34).
 _IO_IDLE_WAIT_S = 1.0
 
@@ -413,6 +420,7 @@ class Channel:
         self._timers: list[list[Any]] = []  # [next_due, interval_s, fn, phase_s or None]
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        self._is_closed = False  # _closed.is_set() without its Python call (read on every message)
         self._lease = threading.Lock()  # held by the thread that receives (see the module docstring)
         self._lease_freed = threading.Event()  # set when a leader lets the lease go while the IO thread waits on it
         self._io_waits = False  # the IO thread waits on _lease_freed (else a release need not set it: ~2 µs a message)
@@ -875,7 +883,7 @@ class Channel:
         if self.muted_until and time.monotonic() < self.muted_until:
             self.dropped["partitioned"] += 1
             return
-        if self._closed.is_set():
+        if self._is_closed:
             return
         try:
             sock = self._sock if link is None else link
@@ -908,17 +916,21 @@ class Channel:
     def _run(self) -> None:
         """The IO thread: lead whenever no other thread does (yielding to any that wants to)."""
         self._thread = threading.current_thread()
-        while not self._closed.is_set():
+        recheck_s = _IO_RECHECK_S
+        while not self._is_closed:
             if self._lease.locked():  # another thread leads
                 if time.monotonic() - self._released_at < _IO_IDLE_WAIT_S:
-                    time.sleep(_IO_RECHECK_S)  # the lease changes hands (a busy actor): look again later
+                    time.sleep(recheck_s)  # the lease changes hands (a busy actor): look again later,
+                    recheck_s = min(2 * recheck_s, _IO_RECHECK_MAX_S)  # later each time it was taken
                 else:  # kept for a while (an idle actor receiving on its own thread): wait until it lets go
                     self._lease_freed.clear()
                     self._io_waits = True  # before looking: a release after the look sees it and sets the event
                     if self._lease.locked():
                         self._lease_freed.wait(_IO_IDLE_WAIT_S)
                     self._io_waits = False
+                    recheck_s = _IO_RECHECK_S  # an idle actor's next endpoint may be a long one
                 continue
+            recheck_s = _IO_RECHECK_S  # found free (an endpoint runs, or just ended): look often again
             free_for = time.monotonic() - self._released_at
             if self._wanting == 0 and free_for >= TAKEOVER_S and self._lease.acquire(blocking=False):
                 self._lead_locked(lambda: self._wanting > 0, None, io=True)
@@ -933,7 +945,7 @@ class Channel:
         Returns True when ``done()`` held, False on timeout or when the lease was not taken (the
         thread then waits in its own way: some leader dispatches to it).
         """
-        if self._closed.is_set():
+        if self._is_closed:
             return done()
         if self._leader == threading.get_ident():  # a handler waiting on a reply: already leading
             return done()
@@ -968,7 +980,7 @@ class Channel:
         self._leader = threading.get_ident()
         self._leader_is_io = io
         try:
-            while not self._closed.is_set():
+            while not self._is_closed:
                 poller = self._poller()
                 if done():
                     return True
@@ -1020,7 +1032,7 @@ class Channel:
 
     def _input_pending(self) -> bool:
         with self._lock:
-            if self._closed.is_set():
+            if self._is_closed:
                 return False
             return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)
 
@@ -1035,7 +1047,7 @@ class Channel:
             self._receive_link(link)
         for _ in range(64):  # bounded so timers and readers are not starved
             with self._lock:
-                if self._closed.is_set():
+                if self._is_closed:
                     return
                 if not int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
                     return  # cheaper than raising zmq.Again
@@ -1086,7 +1098,7 @@ class Channel:
         inbox = peers.inbox if peers is not None else None
         for _ in range(64):  # bounded so timers and the socket are not starved
             with self._lock:
-                if self._closed.is_set() or not int(link.getsockopt(_EVENTS)) & _POLLIN:
+                if self._is_closed or not int(link.getsockopt(_EVENTS)) & _POLLIN:
                     return  # seen empty: the next arrival makes its fd readable
                 try:
                     frames: list[Any] = link.recv_multipart(_NOBLOCK, copy=False)
@@ -1336,8 +1348,9 @@ class Channel:
     # -- shutdown -------------------------------------------------------------------------------
     def close(self, join_timeout_s: float = 2.0) -> None:
         """Stop the IO loop (after flushing queued sends) and close the socket."""
-        if self._closed.is_set():
+        if self._is_closed:
             return
+        self._is_closed = True
         self._closed.set()
         self._wake()
         self._lease_freed.set()
