@@ -40,23 +40,24 @@ def test_every_adverb(procs4):
 
 
 def test_a_long_endpoint_leaves_the_other_actors_of_its_proc_answering(procs4, tmp_path):
-    """While one actor of a proc runs a long endpoint, another actor of that proc still answers at
-    once: the proc's IO thread takes the receive lease over, even after a stream of short calls has
-    backed its looks off to the longest wait (channel._IO_RECHECK_MAX_S, 0.16 s). Without the
-    takeover the call would wait for the long endpoint's end (4 s)."""
-    workers, counters = procs4.spawn("workers", Worker), procs4.spawn("counters", Counter)
+    """While one actor of a proc runs a long endpoint, another actor of that proc still answers
+    within a second: the proc's IO thread takes the receive lease over, though a stream of short
+    calls has backed its looks off (channel._IO_RECHECK_MAX_S, 0.16 s). The other actor is async
+    (its thread never receives for the proc), so only the IO thread can take over; without it the
+    call waits for the long endpoint's end (2 s)."""
+    workers, counters = procs4.spawn("workers", Worker), procs4.spawn("counters", AsyncCounter)
     worker, counter = workers.slice(gpus=1), counters.slice(gpus=1)
-    stream_until = time.monotonic() + 1.0
+    stream_until = time.monotonic() + 0.5
     while time.monotonic() < stream_until:  # short calls: the lease changes hands; the IO thread backs off
         assert worker.echo.call_one(7).get(timeout=10) == 7
     started = tmp_path / "started"
-    blocked = worker.block.call_one(str(started), 4.0)
+    blocked = worker.block.call_one(str(started), 2.0)
     wait_until(started.exists, 10, message="the long endpoint to start")
     t0 = time.monotonic()
     assert counter.incr.call_one().get(timeout=10) == 1
     waited_s = time.monotonic() - t0
-    assert waited_s < 2.0, f"another actor of the proc answered after {waited_s:.2f} s, behind the long endpoint"
-    assert blocked.get(timeout=20) == 4.0
+    assert waited_s < 1.0, f"another actor of the proc answered after {waited_s:.2f} s, behind the long endpoint"
+    assert blocked.get(timeout=20) == 2.0
 
 
 def test_call_one_on_many_is_a_clear_error(procs4):

@@ -161,7 +161,8 @@ _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLI
 #: and a look that finds it free (an endpoint runs) starts again from this.
 _IO_RECHECK_S = 0.02
 #: The longest wait between two looks (seconds): a leader that starts a long endpoint leaves messages
-#: and timers waiting at most this much more (plus :data:`TAKEOVER_S`). Every look is a wake-up of the
+#: and timers (the proc's heartbeat among them) waiting at most this much more (plus
+#: :data:`TAKEOVER_S`), far inside a hang timeout (seconds). Every look is a wake-up of the
 #: proc's IO thread, run cold when many procs share the cores: looking every 20 ms cost a call to all
 #: of 128 procs on 2 cores ~80 µs of CPU a proc (2.4-3 wake-ups a call), backing off ~20 (0.6).
 _IO_RECHECK_MAX_S = 0.16
@@ -920,7 +921,7 @@ class Channel:
         while not self._is_closed:
             if self._lease.locked():  # another thread leads
                 if time.monotonic() - self._released_at < _IO_IDLE_WAIT_S:
-                    time.sleep(recheck_s)  # the lease changes hands (a busy actor): look again later,
+                    self._closed.wait(recheck_s)  # the lease changes hands (a busy actor): look again later,
                     recheck_s = min(2 * recheck_s, _IO_RECHECK_MAX_S)  # later each time it was taken
                 else:  # kept for a while (an idle actor receiving on its own thread): wait until it lets go
                     self._lease_freed.clear()

@@ -108,9 +108,10 @@ class BadMessage(ValueError):
 def _keyed_mac(key: bytes) -> Any:
     """An HMAC-SHA256 keyed with ``key`` over :data:`MAGIC`, whose ``copy``, ``update`` and
     ``digest`` run in C: OpenSSL's HMAC object (``_hashlib.hmac_new``, what ``hmac.new`` wraps)
-    where this Python has it, else ``hmac.new``'s. ``hmac.HMAC``'s own methods are Python (about
-    ten calls a signature, one to sign a message and one to verify it), and in a mesh of 128 procs on
-    2 cores every proc runs them cold (docs/scale.md)."""
+    where this Python has it, else ``hmac.new``'s. ``hmac.HMAC``'s own methods are Python (five
+    calls a signature: ``copy``, ``update`` twice, ``digest``, ``_current``; a message is signed
+    once and verified once), and in a mesh of 128 procs on 2 cores every proc runs them cold
+    (docs/scale.md)."""
     try:
         from _hashlib import hmac_new
     except ImportError:  # a Python built without OpenSSL
