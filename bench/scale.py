@@ -21,7 +21,9 @@ no fork server) with a trivial actor, then:
 - call to all: ``actors.ping.call().get()`` round trips, p50/p95 over ``--calls``, and the CPU
   they took: the controller's (``getrusage``) and the procs' (every thread, ``schedstat``) per call;
   beside it the floor: the same call to all over plain pyzmq between as many bare Python
-  processes (``raw_call_all_floor``: no signing, pickling or actor);
+  processes (``raw_call_all_floor``: no signing, pickling or actor), and the wire floor: the
+  same processes verifying, unpickling, answering and signing with monarch_nb's own message code
+  (``wire.decode``/``encode``), on one thread, without its runtime (``WIRE_WORKER``);
 - SIGKILL seen: a rank's process killed (by pid) to its ``proc_exited`` event, one sample;
 - SIGSTOP seen: another rank stopped (by pid) to its ``proc_hung`` event, one sample (the hang
   timeout, 2 s by default, plus the detection delay).
@@ -83,6 +85,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import resource
 import signal
 import statistics
@@ -152,32 +155,74 @@ while (message := sock.recv()) != b"quit":
     sock.send(message)
 """
 
+#: The wire floor's worker: monarch_nb's own message code, nothing of its runtime. It verifies and
+#: reads each call (``wire.decode``: HMAC-SHA256, marshal header), unpickles its arguments, calls a
+#: function, pickles the result and sends a signed reply (``wire.encode``), on one thread: no
+#: receive lease, mailbox, actor host or second thread.
+WIRE_WORKER = """
+import os, pickle, sys, zmq
+from monarch_nb.transport.wire import Signer, decode, encode
+signer = Signer(bytes.fromhex(sys.argv[3]))
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.IDENTITY, sys.argv[2].encode())
+sock.connect(sys.argv[1])
+sock.send(b"ready")
+endpoints, seq = {"ping": os.getpid}, 0
+while (frames := sock.recv_multipart())[0] != b"quit":
+    header, body, buffers = decode(signer, frames)
+    args, kwargs = pickle.loads(body)
+    result = endpoints[header["ep"]](*args, **kwargs)
+    seq += 1
+    reply = {"kind": "reply", "cid": header["cid"], "idx": header["idx"], "ok": True, "src": sys.argv[2], "dst": header["src"], "seq": seq}
+    sock.send_multipart(encode(signer, reply, pickle.dumps(result, 5)))
+"""
 
-def raw_call_all_floor(n: int, calls: int) -> float:
+
+def raw_call_all_floor(n: int, calls: int, *, wire: bool = False) -> float:
     """p50 seconds of a call to all over plain pyzmq, the floor under ``measure``'s: ``n`` Python
     processes, each a DEALER that sends back what it receives, and a ROUTER here sending each a
     200-byte message and taking the ``n`` answers (ipc, as a proc's link to a controller on its
-    host). No signing, no pickling, no actor: what the processes and ZeroMQ alone cost on this machine."""
+    host). No signing, no pickling, no actor: what the processes and ZeroMQ alone cost on this machine.
+
+    ``wire``: the wire floor instead (:data:`WIRE_WORKER`): each call a signed monarch_nb message
+    (``wire.encode`` here, a pickled ``((), {})`` body), verified, unpickled, answered with a signed
+    reply, which this side verifies: what a proc's message costs without monarch_nb's runtime
+    around it (the headroom a leaner proc could win; docs/scale.md).
+    """
     import zmq
+
+    from monarch_nb.transport.wire import Signer, decode, encode
     address = f"ipc://{tempfile.gettempdir()}/monarch_nb-bench-floor-{os.getpid()}"
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.bind(address)
-    workers = [subprocess.Popen([sys.executable, "-c", RAW_WORKER, address, f"w{i}"]) for i in range(n)]
+    key = os.urandom(32)
+    signer = Signer(key)
+    script = (WIRE_WORKER, address) if wire else (RAW_WORKER, address)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    workers = [subprocess.Popen([sys.executable, "-c", *script, f"w{i}", key.hex()], env=env) for i in range(n)]
     try:
         if not router.poll(120_000):
-            raise RuntimeError("the raw pyzmq workers did not start within 120 s")
+            raise RuntimeError("the floor's pyzmq workers did not start within 120 s")
         peers = [router.recv_multipart()[0]]
         while len(peers) < n and router.poll(120_000):
             peers.append(router.recv_multipart()[0])
         if len(peers) < n:
-            raise RuntimeError(f"{len(peers)} of {n} raw pyzmq workers started within 120 s")
-        message, samples = b"x" * 200, []
-        for _ in range(calls + 5):
+            raise RuntimeError(f"{len(peers)} of {n} of the floor's pyzmq workers started within 120 s")
+        message, samples, body, seq = b"x" * 200, [], pickle.dumps(((), {}), 5), 0
+        for call in range(calls + 5):
             t0 = time.perf_counter()
-            for peer in peers:
-                router.send_multipart([peer, message])
+            for index, peer in enumerate(peers):
+                if wire:
+                    seq += 1
+                    header = {"kind": "call", "ep": "ping", "cid": f"c{call}", "idx": index, "src": "controller",
+                              "dst": peer.decode(), "seq": seq, "reply_to": "controller"}
+                    router.send_multipart([peer, *encode(signer, header, body)])  # type: ignore[arg-type]
+                else:
+                    router.send_multipart([peer, message])
             for _ in peers:
-                router.recv_multipart()
+                frames = router.recv_multipart()
+                if wire:
+                    decode(signer, frames[1:])
             samples.append(time.perf_counter() - t0)
         for peer in peers:
             router.send_multipart([peer, b"quit"])
@@ -643,9 +688,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     modes = ("agents", "direct") if args.heartbeats == "both" else (args.heartbeats,)
     rows = [row for mode in modes for row in _run_mode(mode, args)] if args.procs else []
-    floors = {n: raw_call_all_floor(n, args.calls) for n in sorted({row["procs"] for row in rows})}
+    sizes = sorted({row["procs"] for row in rows})
+    floors = {n: raw_call_all_floor(n, args.calls) for n in sizes}
+    wire_floors = {n: raw_call_all_floor(n, args.calls, wire=True) for n in sizes}
     for row in rows:
         row["raw_zmq_call_all_p50_ms"] = 1e3 * floors[row["procs"]]
+        row["wire_floor_call_all_p50_ms"] = 1e3 * wire_floors[row["procs"]]
     # each size straight (every proc's messages, every host's heartbeats to the controller), through
     # the agents, and from relay_min_hosts hosts on with the agents' heartbeats through relays too
     paths = {"direct": (False, False, False), "agents": (True, False, False), "tree-down": (True, True, False),
@@ -664,13 +712,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {"host": os.uname().nodename, "cores": os.cpu_count(), "rows": rows, "simulated": simulated, "fits": fits}
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
     print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
-          f"{'agent CPU %':>12} {'procs CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'raw pyzmq ms':>13} "
+          f"{'agent CPU %':>12} {'procs CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'raw pyzmq ms':>13} {'wire floor ms':>14} "
           f"{'CPU/call: ctrl ms':>18} {'procs ms':>9} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
     for r in rows:
         print(f"{r['heartbeats']:>10} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
               f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['procs_cpu_idle_pct']:>12.1f} "
               f"{r['call_all_p50_ms']:>16.2f} "
-              f"{r['call_all_p95_ms']:>8.2f} {r['raw_zmq_call_all_p50_ms']:>13.2f} {r['controller_cpu_per_call_all_ms']:>18.2f} "
+              f"{r['call_all_p95_ms']:>8.2f} {r['raw_zmq_call_all_p50_ms']:>13.2f} {r['wire_floor_call_all_p50_ms']:>14.2f} "
+              f"{r['controller_cpu_per_call_all_ms']:>18.2f} "
               f"{r['procs_cpu_per_call_all_ms']:>9.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
         print(f"\nsimulated hosts (heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
