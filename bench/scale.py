@@ -197,9 +197,9 @@ def raw_call_all_floor(n: int, calls: int, *, wire: bool = False) -> float:
     router.bind(address)
     key = os.urandom(32)
     signer = Signer(key)
-    script = (WIRE_WORKER, address) if wire else (RAW_WORKER, address)
+    worker = WIRE_WORKER if wire else RAW_WORKER
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    workers = [subprocess.Popen([sys.executable, "-c", *script, f"w{i}", key.hex()], env=env) for i in range(n)]
+    workers = [subprocess.Popen([sys.executable, "-c", worker, address, f"w{i}", key.hex()], env=env) for i in range(n)]
     try:
         if not router.poll(120_000):
             raise RuntimeError("the floor's pyzmq workers did not start within 120 s")

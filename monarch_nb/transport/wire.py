@@ -148,8 +148,10 @@ class Signer:
 #: Bodies up to this size are copied into the envelope frame.
 INLINE_BODY_MAX = 64 * 1024
 _SIG_BYTES = 32
-_PREFIX = len(MAGIC) + 1 + _SIG_BYTES + 4
-_SIG_END = len(MAGIC) + 1 + _SIG_BYTES
+# the envelope: MAGIC, the layout byte, the signature, the header's length (4 bytes), the header
+_LAYOUT_AT = len(MAGIC)
+_SIG_END = _LAYOUT_AT + 1 + _SIG_BYTES
+_PREFIX = _SIG_END + 4
 _INLINE, _SEPARATE = ord("I"), ord("S")  # the layout byte
 _REQUIRED_FIELDS = frozenset(("kind", "src", "dst", "seq", "nbuf"))
 
@@ -180,13 +182,13 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[Header, memoryview, l
     first = frames[0]
     envelope = first if type(first) is bytes else _view(first)  # a small envelope: copied out of the frame when received
     size = len(envelope)
-    if size < _PREFIX or envelope[:4] != MAGIC:
+    if size < _PREFIX or envelope[:_LAYOUT_AT] != MAGIC:
         raise BadMessage("bad envelope (not a monarch_nb message, or another protocol version)")
     header_end = _PREFIX + int.from_bytes(envelope[_SIG_END:_PREFIX], "big")
     if header_end > size:
         raise BadMessage("header length runs past the envelope")
     raw_header = envelope[_PREFIX:header_end]
-    layout = envelope[4]
+    layout = envelope[_LAYOUT_AT]
     if layout == _INLINE:
         body = memoryview(envelope)[header_end:]
         rest = frames[1:]
@@ -196,7 +198,7 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[Header, memoryview, l
     else:
         raise BadMessage(f"bad layout {bytes([layout])!r} for {len(frames)} frame(s)")
     buffers = [_view(f) for f in rest] if rest else []
-    if not hmac.compare_digest(envelope[5:_SIG_END], signer.signature(raw_header, body, buffers)):
+    if not hmac.compare_digest(envelope[_LAYOUT_AT + 1:_SIG_END], signer.signature(raw_header, body, buffers)):
         raise BadMessage("bad signature (unsigned, forged, or signed with another cluster key)")
     try:
         header = marshal.loads(raw_header)
