@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,9 @@ _current: "ProcFaults | None" = None
 
 
 class ProcFaults:
-    """The in-proc faults armed on one proc; a call hook of that proc."""
+    """The in-proc faults armed on one proc; a call hook of that proc while a raise, slow or nan
+    fault is armed (:meth:`rehook`: with none, a call runs no hook, which a proc of a large mesh
+    pays on every message)."""
 
     def __init__(self, proc: "Proc"):
         self.proc = proc
@@ -34,6 +37,17 @@ class ProcFaults:
         self.slow_ms = 0.0
         self.slow_reported = True
         self.nan_next = 0
+        self._hook_lock = threading.Lock()
+
+    def rehook(self) -> None:
+        """Hook the proc's endpoint calls while a fault that acts on them is armed, else unhook
+        (after every change of ``raise_next``, ``slow_ms`` or ``nan_next``, on any thread: the state
+        is read under the lock, so the last change's call decides)."""
+        with self._hook_lock:
+            if self.raise_next or self.slow_ms or self.nan_next:
+                self.proc.add_call_hook(self)
+            else:
+                self.proc.remove_call_hook(self)
 
     def fired(self, kind: str, detail: str) -> None:
         """Tell the controller an injected fault took effect (a ``fault_fired`` event)."""
@@ -65,6 +79,7 @@ class ProcFaults:
         elif kind == "clear":  # disarm every pending in-proc fault (faults.inject.clear)
             self.raise_next = self.nan_next = 0
             self.slow_ms = 0.0
+        self.rehook()
 
     def before_call(self, actor: str, endpoint: str) -> None:
         if self.slow_ms:
@@ -74,11 +89,13 @@ class ProcFaults:
             time.sleep(self.slow_ms / 1000.0)
         if self.raise_next:
             self.raise_next -= 1
+            self.rehook()
             raise RuntimeError(f"injected fault: raise (rank {self.proc.rank}, {actor}.{endpoint})")
 
     def after_call(self, result: Any, actor: str, endpoint: str) -> Any:
         if self.nan_next and _is_tensor(result):
             self.nan_next -= 1
+            self.rehook()
             result = result.clone()
             result.view(-1)[0] = float("nan")
             self.fired("nan", f"{actor}.{endpoint} result poisoned with NaN")
@@ -88,6 +105,7 @@ class ProcFaults:
         """True once per injected nan fault: training code poisons its next gradient."""
         if self.nan_next:
             self.nan_next -= 1
+            self.rehook()
             self.fired("nan", "gradient poisoned with NaN")
             return True
         return False
@@ -98,7 +116,6 @@ def install(proc: "Proc") -> None:
     global _current
     faults = _current = ProcFaults(proc)
     proc.register(Kind.FAULT, faults.on_message)
-    proc.add_call_hook(faults)
 
 
 def take_nan() -> bool:

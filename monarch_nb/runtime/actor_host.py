@@ -68,7 +68,7 @@ class ActorHost:
         self.wake = wake or (lambda: None)
         self._to_controller = to_controller
         self.runners: dict[str, ActorRunner] = {}
-        self.call_hooks: list = []
+        self.call_hooks: tuple = ()  # replaced whole (Proc.add_call_hook): read on every call, unlocked
         self.failure_hooks: list[Callable[[str, str, BaseException], None]] = []
         self._tombstones: dict[str, dict] = {}
         self._stop_waiters: dict[str, list] = {}

@@ -59,10 +59,6 @@ def error_info(exc: BaseException, message: str | None = None) -> dict:
 _MAX_POINTS = 256
 
 
-def _not_empty(mailbox: queue.SimpleQueue) -> Callable[[], bool]:
-    return lambda: not mailbox.empty()
-
-
 class ResponsePort(Port):
     """The reply port of one call, handed to an ``explicit_response_port`` endpoint."""
 
@@ -119,6 +115,7 @@ class ActorRunner:
         self.thread = threading.Thread(target=self._run_async if asynchronous else self._run_sync,
                                        name=f"actor-{name}", daemon=True)
         self.thread.start()
+        self._thread_id = self.thread.ident  # (the property is a Python call; post reads it on every message)
         if asynchronous:
             self._loop_ready.wait()
 
@@ -132,7 +129,7 @@ class ActorRunner:
                 self.host.refuse(item)
         else:
             self.mailbox.put(item)
-            if self._leading and threading.get_ident() != self.thread.ident:
+            if self._leading and threading.get_ident() != self._thread_id:
                 self.host.wake()  # it is receiving on its own thread: look at the mailbox
 
     def supervise(self, failure: MeshFailure) -> None:
@@ -159,7 +156,7 @@ class ActorRunner:
                 return mailbox.get()
             self._leading = True
             try:
-                led = lead(_not_empty(mailbox), None, False)
+                led = lead(mailbox.qsize, None, False)  # done once one waits (a C call: no lambda run cold)
             finally:
                 self._leading = False
             if not led:
@@ -197,7 +194,7 @@ class ActorRunner:
                    *args, **kwargs)
                 return
             result = fn(*args, **kwargs)
-            self.host.reply(header, True, self._after(header, result))
+            self.host.reply(header, True, self._after(header, result) if self.host.call_hooks else result)
         except BaseException as exc:  # noqa: BLE001 - reported, or fails the actor
             self._on_error(kind, header, exc)
         finally:
@@ -297,7 +294,7 @@ class ActorRunner:
             result = fn(*args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            self.host.reply(header, True, self._after(header, result))
+            self.host.reply(header, True, self._after(header, result) if self.host.call_hooks else result)
         except asyncio.CancelledError:
             if self.failed is None and not self.stopped:
                 self._on_error(kind, header, asyncio.CancelledError("the endpoint's task was cancelled"))

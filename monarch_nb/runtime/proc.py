@@ -162,7 +162,7 @@ class Proc:
         return self.host.runners
 
     @property
-    def call_hooks(self) -> list[CallHook]:
+    def call_hooks(self) -> tuple[CallHook, ...]:
         return self.host.call_hooks
 
     # -- plugins ---------------------------------------------------------------------------------
@@ -172,8 +172,13 @@ class Proc:
         self._handlers[kind] = handler
 
     def add_call_hook(self, hook: CallHook) -> None:
-        """Run ``hook`` around every endpoint call."""
-        self.host.call_hooks.append(hook)
+        """Run ``hook`` around every endpoint call (any thread; once per hook)."""
+        if hook not in self.host.call_hooks:
+            self.host.call_hooks = (*self.host.call_hooks, hook)
+
+    def remove_call_hook(self, hook: CallHook) -> None:
+        """Stop running ``hook`` around endpoint calls (any thread; a hook not added is ignored)."""
+        self.host.call_hooks = tuple(h for h in self.host.call_hooks if h is not hook)
 
     def add_heartbeat_field(self, fields: Callable[[], HeartbeatFields]) -> None:
         """Merge ``fields()`` into every heartbeat (e.g. ``{"paused": [...]}``)."""

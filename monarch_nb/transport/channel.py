@@ -152,10 +152,16 @@ MessageHandler = Callable[[Header, memoryview, list[memoryview], list[Any]], Non
 TAKEOVER_S = 0.002
 #: Frames smaller than this are copied into ZeroMQ; larger ones are sent without a copy.
 _ZERO_COPY_MIN_BYTES = 64 * 1024
-# plain ints: pyzmq's enum members cost an enum construction on every `&` (and pyzmq types every
-# option's value int | bytes: int(...) around an int-valued getsockopt says which)
-_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _RCVMORE = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK),
-                                                   int(zmq.SNDMORE), int(zmq.RCVMORE))
+# plain ints: pyzmq's enum members cost an enum construction on every `&`
+_POLLIN, _NOBLOCK, _SNDMORE = int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+#: ``_zmq_poll([(sock, _POLLIN)], 0)``: whether input waits on ``sock`` (what ZMQ_EVENTS says, and
+#: like it, it takes the socket's edge on ZMQ_FD), in C: pyzmq's ``getsockopt`` makes a
+#: ``SocketOption`` enum in Python on every call (two Python frames, run cold at every message of
+#: a proc among many; docs/scale.md)
+_zmq_poll = zmq.zmq_poll
+#: ``_zmq_send(sock, frame, flags, copy=)``: pyzmq's C send (its ``Socket.send`` is a Python method
+#: for the draft sockets' routing_id and group arguments, which a channel never passes)
+_zmq_send = zmq.backend.Socket.send
 #: How often the IO thread looks at the lease while a busy thread keeps taking it back (seconds),
 #: at first: each look that finds it taken again doubles the wait, up to :data:`_IO_RECHECK_MAX_S`,
 #: and a look that finds it free (an endpoint runs) starts again from this.
@@ -371,6 +377,7 @@ class Channel:
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock_pollin = [(self._sock, _POLLIN)]  # for _zmq_poll
         if router:
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         else:
@@ -419,6 +426,7 @@ class Channel:
         self._peers: set[bytes] = set()  # ROUTER: identities that sent a verified message (forward targets)
         self._own_route = route_id(identity).encode()
         self._timers: list[list[Any]] = []  # [next_due, interval_s, fn, phase_s or None]
+        self._next_due = math.inf  # the soonest timer's next_due (kept by the thread that leads)
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self._is_closed = False  # _closed.is_set() without its Python call (read on every message)
@@ -488,11 +496,14 @@ class Channel:
         now = time.monotonic()
         due = now + interval_s if phase_s is None else now + (phase_s - time.time()) % interval_s
         self._timers.append([due, interval_s, fn, phase_s])
+        self._next_due = min(self._next_due, due)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once, on the thread that leads, ``delay_s`` seconds from now. Call it on
         the leading thread (from a handler, a reader or a timer) or before :meth:`start`."""
-        self._timers.append([time.monotonic() + delay_s, None, fn, None])
+        due = time.monotonic() + delay_s
+        self._timers.append([due, None, fn, None])
+        self._next_due = min(self._next_due, due)
 
     def start(self, name: str = "monarch_nb-io") -> None:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -516,7 +527,7 @@ class Channel:
                 self._send_gathered(dst, header, body, gather)
                 return
             self._to_link([b"%s%d" % (_GATHER_FRAME, gather), _STRAIGHT_MARK + header["cid"].encode()])  # type: ignore[typeddict-item]  # a reply's
-        self._send_one(dst, header, body, buffers, self._linked(dst))
+        self._send_one(dst, header, body, buffers, self._via.get(route_id(dst)) if self._via else None)  # (_linked, inline)
 
     def _linked(self, dst: str) -> _LinkedProc | None:
         """The linked proc ``dst`` names (by its route), or None (not linked; a DEALER links none)."""
@@ -892,8 +903,8 @@ class Channel:
             for i, frame in enumerate(frames):
                 # small frames are copied (cheaper than a zero-copy frame's bookkeeping), buffers are not
                 size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
-                sock.send(frame, _SNDMORE if i < last else 0, copy=size < _ZERO_COPY_MIN_BYTES)
-            pending_input = int(sock.getsockopt(_EVENTS)) & _POLLIN
+                _zmq_send(sock, frame, _SNDMORE if i < last else 0, copy=size < _ZERO_COPY_MIN_BYTES)
+            pending_input = _zmq_poll(self._sock_pollin if link is None else [(link, _POLLIN)], 0)
         except zmq.ZMQError as exc:
             log.warning("send failed: %s", exc)
             return
@@ -981,13 +992,17 @@ class Channel:
         self._leader = threading.get_ident()
         self._leader_is_io = io
         try:
+            poller, version = self._poller(), self._readers_version
             while not self._is_closed:
-                poller = self._poller()
+                if version != self._readers_version:  # a reader was added or removed meanwhile
+                    poller, version = self._poller(), self._readers_version
                 if done():
                     return True
                 if not io and yields and self._callers > 0:
                     return False  # an idle actor gives way to a thread blocked on a reply
-                timeout_ms = 0 if self._input_pending() else self._next_timer_ms()
+                with self._lock:  # input pending? (inline: a frame fewer on every message)
+                    pending = not self._is_closed and _zmq_poll(self._sock_pollin, 0)
+                timeout_ms = 0 if pending else self._next_timer_ms()
                 if deadline is not None:
                     timeout_ms = min(timeout_ms, max(0, int((deadline - time.monotonic()) * 1000) + 1))
                 try:
@@ -1005,7 +1020,8 @@ class Channel:
                         if callback is not None:
                             self._guarded(callback, fd)
                 self._receive_all()
-                self._run_timers()
+                if self._waiting or time.monotonic() >= self._next_due:
+                    self._run_timers()
                 if deadline is not None and time.monotonic() >= deadline:
                     return done()
             return done()
@@ -1031,12 +1047,6 @@ class Channel:
         current: select.poll = local.poller
         return current
 
-    def _input_pending(self) -> bool:
-        with self._lock:
-            if self._is_closed:
-                return False
-            return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)
-
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
@@ -1050,7 +1060,7 @@ class Channel:
             with self._lock:
                 if self._is_closed:
                     return
-                if not int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
+                if not _zmq_poll(self._sock_pollin, 0):
                     return  # cheaper than raising zmq.Again
                 try:
                     frames = self._recv_frames()
@@ -1099,7 +1109,7 @@ class Channel:
         inbox = peers.inbox if peers is not None else None
         for _ in range(64):  # bounded so timers and the socket are not starved
             with self._lock:
-                if self._is_closed or not int(link.getsockopt(_EVENTS)) & _POLLIN:
+                if self._is_closed or not _zmq_poll([(link, _POLLIN)], 0):
                     return  # seen empty: the next arrival makes its fd readable
                 try:
                     frames: list[Any] = link.recv_multipart(_NOBLOCK, copy=False)
@@ -1297,40 +1307,50 @@ class Channel:
                 self.dropped["bad"] += 1
                 log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
                 return
-        self._guarded(self._on_message, header, body, buffers, frames)
+        try:  # (as _guarded, inline: a frame fewer on every message)
+            self._on_message(header, body, buffers, frames)
+        except Exception:
+            log.exception("handler %r failed; the IO loop goes on", self._on_message)
 
     def _recv_frames(self) -> list[Any]:
         """One message's frames (socket lock held): the envelope (and a ROUTER's identity) as
         bytes, the buffers after it as zero-copy frames. Raises zmq.Again if none is waiting."""
         sock = self._sock
-        frames: list[Any] = [sock.recv(_NOBLOCK)]
+        frame = sock.recv(_NOBLOCK, copy=False)  # (a frame says whether more follow: no getsockopt(RCVMORE))
+        frames: list[Any] = [frame.bytes]
         # a ROUTER's sender frame, then a destination frame (none on a message to the hub itself); a
         # host agent's routing frame (@); the envelope after them: small, copied
         if self.router:
-            if not sock.getsockopt(_RCVMORE):
+            if not frame.more:
                 return frames
-            frames.append(sock.recv())
+            frame = sock.recv(copy=False)
+            frames.append(frame.bytes)
             more = 1 if _is_route(frames[1]) else 0
         else:
             more = 1 if frames[0][:1] == b"@" else 0
         for _ in range(more):
-            if not sock.getsockopt(_RCVMORE):
+            if not frame.more:
                 return frames
-            frames.append(sock.recv())
-        while sock.getsockopt(_RCVMORE):
-            frames.append(sock.recv(copy=False))
+            frame = sock.recv(copy=False)
+            frames.append(frame.bytes)
+        while frame.more:
+            frame = sock.recv(copy=False)
+            frames.append(frame)
         return frames
 
     def _next_timer_ms(self) -> int:
-        if not self._timers:
+        if self._next_due == math.inf:
             return 200
-        due = min(t[0] for t in self._timers)
-        return max(0, int((due - time.monotonic()) * 1000) + 1)
+        return max(0, int((self._next_due - time.monotonic()) * 1000) + 1)
 
     def _run_timers(self) -> None:
+        """Run the due timers (the loop calls it when one is due, or messages wait: see
+        :meth:`_release_overdue`)."""
         if self._waiting:
             self._release_overdue()
         now = time.monotonic()
+        if now < self._next_due:
+            return
         ran_once = False
         for timer in tuple(self._timers):  # a timer may add one (call_later)
             if now >= timer[0]:
@@ -1345,6 +1365,7 @@ class Channel:
                 self._guarded(fn)
         if ran_once:
             self._timers = [timer for timer in self._timers if timer[0] != math.inf]
+        self._next_due = min((timer[0] for timer in self._timers), default=math.inf)
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self, join_timeout_s: float = 2.0) -> None:

@@ -158,7 +158,7 @@ _REQUIRED_FIELDS = frozenset(("kind", "src", "dst", "seq", "nbuf"))
 
 def encode(signer: Signer, header: Header, body: bytes = b"", buffers: Sequence[Any] = ()) -> list[Any]:
     """Return the frames of one message. ``header`` must hold kind, src, dst and seq."""
-    header["nbuf"] = [memoryview(b).nbytes for b in buffers]
+    header["nbuf"] = [memoryview(b).nbytes for b in buffers] if buffers else []  # (a list comprehension is a call)
     raw_header = _encode_header(header)
     signature = signer.signature(raw_header, body, buffers)
     head = b"".join((MAGIC, b"I" if len(body) <= INLINE_BODY_MAX else b"S", signature, len(raw_header).to_bytes(4, "big"), raw_header))
@@ -206,7 +206,7 @@ def decode(signer: Signer, frames: Sequence[Any]) -> tuple[Header, memoryview, l
         raise BadMessage(f"header is not readable: {exc}") from None
     if type(header) is not dict or not _REQUIRED_FIELDS <= header.keys():
         raise BadMessage("header lacks kind/src/dst/seq/nbuf")
-    sizes = [b.nbytes for b in buffers]
+    sizes = [b.nbytes for b in buffers] if buffers else []
     if header["nbuf"] != sizes:
         raise BadMessage(f"buffer sizes {sizes} differ from the signed header's {header['nbuf']}")
     return header, body, buffers  # type: ignore[return-value]  # a dict holding the five fields: checked above
