@@ -1022,8 +1022,10 @@ class Channel:
                 self._receive_all()
                 if self._waiting or time.monotonic() >= self._next_due:
                     self._run_timers()
+                if done():  # (before the loop's next turn: what it checks first, the message's own way out)
+                    return True
                 if deadline is not None and time.monotonic() >= deadline:
-                    return done()
+                    return False
             return done()
         finally:
             self._leader = None
@@ -1054,8 +1056,9 @@ class Channel:
             log.exception("handler %r failed; the IO loop goes on", fn)
 
     def _receive_all(self) -> None:
-        for link in tuple(self._link_backlog):
-            self._receive_link(link)
+        if self._link_backlog:
+            for link in tuple(self._link_backlog):
+                self._receive_link(link)
         for _ in range(64):  # bounded so timers and readers are not starved
             with self._lock:
                 if self._is_closed:
@@ -1273,7 +1276,18 @@ class Channel:
             return
         if sender is not None:
             self._peers.add(sender)
-        self._dispatch(header, body, buffers, frames)
+        self.received[header["kind"]] += 1
+        if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
+            try:
+                buffers = self._import_large(header, buffers)
+            except (OSError, ValueError, TypeError) as exc:
+                self.dropped["bad"] += 1
+                log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
+                return
+        try:  # (as _guarded, inline: a frame fewer on every message)
+            self._on_message(header, body, buffers, frames)
+        except Exception:
+            log.exception("handler %r failed; the IO loop goes on", self._on_message)
 
     def _in_order(self, order: tuple[int, int], header: Header, body: memoryview, buffers: list[memoryview],
                   frames: list[Any]) -> None:
@@ -1297,20 +1311,6 @@ class Channel:
             held = self._held.pop(self._next_pseq)
             self._next_pseq += 1
             self._accept(*held)
-
-    def _dispatch(self, header: Header, body: memoryview, buffers: list[memoryview], frames: list[Any]) -> None:
-        self.received[header["kind"]] += 1
-        if "shm" in header and (not self.router or header["dst"] == self.identity):  # not when forwarding
-            try:
-                buffers = self._import_large(header, buffers)
-            except (OSError, ValueError, TypeError) as exc:
-                self.dropped["bad"] += 1
-                log.warning("dropped a message whose shared-memory buffer is unusable: %s", exc)
-                return
-        try:  # (as _guarded, inline: a frame fewer on every message)
-            self._on_message(header, body, buffers, frames)
-        except Exception:
-            log.exception("handler %r failed; the IO loop goes on", self._on_message)
 
     def _recv_frames(self) -> list[Any]:
         """One message's frames (socket lock held): the envelope (and a ROUTER's identity) as
