@@ -157,7 +157,9 @@ _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE
 #: ``_zmq_poll([(sock, _POLLIN)], 0)``: whether input waits on ``sock`` (what ZMQ_EVENTS says, and
 #: like it, it takes the socket's edge on ZMQ_FD), in C: pyzmq's ``getsockopt`` makes a
 #: ``SocketOption`` enum in Python on every call (two Python frames, run cold at every message of
-#: a proc among many; docs/scale.md)
+#: a proc among many; docs/scale.md). Only on an open socket, under the channel's lock after
+#: ``_is_closed`` was looked at: on a closed one pyzmq polls fd 0 (its handle is NULL) instead of
+#: raising ENOTSOCK as getsockopt does.
 _zmq_poll = zmq.zmq_poll
 #: ``_zmq_send(sock, frame, flags, copy=)``: pyzmq's C send (its ``Socket.send`` is a Python method
 #: for the draft sockets' routing_id and group arguments, which a channel never passes)
@@ -992,10 +994,14 @@ class Channel:
         self._leader = threading.get_ident()
         self._leader_is_io = io
         try:
-            poller, version = self._poller(), self._readers_version
+            # the version read before the poller is made: a reader added or removed by another thread
+            # in between makes the next turn make it again (read after, it would be missed)
+            version = self._readers_version
+            poller = self._poller()
             while not self._is_closed:
                 if version != self._readers_version:  # a reader was added or removed meanwhile
-                    poller, version = self._poller(), self._readers_version
+                    version = self._readers_version
+                    poller = self._poller()
                 if done():
                     return True
                 if not io and yields and self._callers > 0:
