@@ -529,7 +529,7 @@ class Channel:
                 self._send_gathered(dst, header, body, gather)
                 return
             self._to_link([b"%s%d" % (_GATHER_FRAME, gather), _STRAIGHT_MARK + header["cid"].encode()])  # type: ignore[typeddict-item]  # a reply's
-        self._send_one(dst, header, body, buffers, self._via.get(route_id(dst)) if self._via else None)  # (_linked, inline)
+        self._send_one(dst, header, body, buffers, self._linked(dst))
 
     def _linked(self, dst: str) -> _LinkedProc | None:
         """The linked proc ``dst`` names (by its route), or None (not linked; a DEALER links none)."""
@@ -1026,7 +1026,9 @@ class Channel:
                         if callback is not None:
                             self._guarded(callback, fd)
                 self._receive_all()
-                if self._waiting or time.monotonic() >= self._next_due:
+                if self._waiting:
+                    self._release_overdue()
+                if time.monotonic() >= self._next_due:
                     self._run_timers()
                 if done():  # (before the loop's next turn: what it checks first, the message's own way out)
                     return True
@@ -1350,13 +1352,8 @@ class Channel:
         return max(0, int((self._next_due - time.monotonic()) * 1000) + 1)
 
     def _run_timers(self) -> None:
-        """Run the due timers (the loop calls it when one is due, or messages wait: see
-        :meth:`_release_overdue`)."""
-        if self._waiting:
-            self._release_overdue()
+        """Run the due timers (the loop calls it once the soonest, ``_next_due``, is due)."""
         now = time.monotonic()
-        if now < self._next_due:
-            return
         ran_once = False
         for timer in tuple(self._timers):  # a timer may add one (call_later)
             if now >= timer[0]:
