@@ -56,6 +56,9 @@ def _has_gpu() -> bool:
         (["--procs", "5000"], "training set has only"),
         (["--workload", "charlm", "--text", "/nonexistent/file.txt"], "does not exist"),
         (["--workload", "charlm", "--text", "EMPTY"], "is empty"),
+        (["--workload", "charlm", "--text", "FOLDER"], "is a folder; give the path of a text file"),
+        (["--report-json", "FOLDER"], "is a folder; give a file's path"),
+        (["--report-json", "EMPTY/sub/report.json"], "which is a file; give a path in a folder"),
         (["--fault", "kill@3:rank=0", "--fault", "kill@3:rank=1", "--procs", "2"], "fail every rank"),
         pytest.param(["--backend", "nccl"], "use backend 'gloo' (--backend gloo)",
                      marks=pytest.mark.skipif(_has_gpu(), reason="this host has a GPU: nccl is allowed")),
@@ -66,7 +69,7 @@ def test_cli_bad_inputs(argv, message, capsys, tmp_path):
 
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    argv = [str(empty) if a == "EMPTY" else a for a in argv]
+    argv = [a.replace("EMPTY", str(empty)).replace("FOLDER", str(tmp_path)) for a in argv]
     before = _meshes()
     assert main(["train", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -143,6 +143,10 @@ def _train(args: argparse.Namespace, placement) -> int:
         print(f"monarch-nb train: the run failed: {exc}", file=sys.stderr)
         return 1
     print(report)
+    if run.report_json_error is not None:
+        print(f"monarch-nb train: the report above could not be written to {args.report_json}: {run.report_json_error}",
+              file=sys.stderr)
+        return 1
     if args.report_json:
         print(f"report written to {args.report_json}")
     if interrupted:

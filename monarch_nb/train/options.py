@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -95,6 +96,28 @@ def _positive_number(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_report_path(path: str | None) -> None:
+    """Check that ``path`` can be the report's JSON file (``report_json``) before a run starts.
+
+    Missing folders above it are made when the report is written.
+
+    Raises:
+        ValueError: ``path`` is a folder, lies under a file, or in a folder this user cannot
+            write to (the message names a path that works).
+    """
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"report_json {path!r} is a folder; give a file's path, e.g. {os.path.join(path, 'report.json')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):  # the nearest folder that exists: the rest is made on writing
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"report_json {path!r} lies under {folder!r}, which is a file; give a path in a folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"report_json {path!r}: this user cannot write in {folder!r}; give a path in a folder you can write to")
+
+
 def _host_count(hosts: Any) -> int:
     """How many hosts ``hosts`` (None: this machine, or a HostMesh) has.
 
@@ -184,7 +207,7 @@ def make_options(
     device_mesh)``); fault tolerance then works across groups (see :mod:`.sharding`).
 
     Raises:
-        ValueError: a bad value (the message names the option and the fix).
+        ValueError: a bad value, ``report_json`` included (the message names the option and the fix).
         TypeError: ``hosts`` is not a HostMesh; a function given options only a workload takes.
         FileNotFoundError: the ``text`` file does not exist.
     """
@@ -244,6 +267,7 @@ def make_options(
         _positive_int("snapshot_every", snapshot_every, 0)
     _positive_number("snapshot_budget", snapshot_budget)
     _positive_number("restart_timeout_s", restart_timeout_s)
+    check_report_path(report_json)
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs checkpoint_dir (the folder to write the checkpoints to)")
     if (group_size, parallelism) != (1, "ddp"):  # a sharded run

@@ -83,6 +83,8 @@ class TrainingRun:
         self._procs: Any = None
         self._error: BaseException | None = None
         self._report: TrainReport | None = None
+        #: why the report could not be written to ``report_json`` (the report itself is kept), or None
+        self.report_json_error: OSError | None = None
         self._t0 = time.monotonic()
         self._coordinator = Coordinator(self)
         self._thread = threading.Thread(target=self._main, name="monarch_nb-train", daemon=True)
@@ -239,7 +241,11 @@ class TrainingRun:
     def set_report(self, report: TrainReport | None) -> None:
         self._report = report
         if report is not None and self.options.report_json:
-            report.to_json(self.options.report_json)
+            try:
+                report.to_json(self.options.report_json)
+            except OSError as exc:  # the path went bad during the run: the report stays, the error is told
+                log.warning("the report could not be written to %s: %s", self.options.report_json, exc)
+                self.report_json_error = exc
 
     # -- the thread ---------------------------------------------------------------------------------
     def _main(self) -> None:

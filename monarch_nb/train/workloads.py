@@ -119,7 +119,7 @@ def get_workload(name: str | Workload = "digits", *, text: str | None = None, se
     is the ``tiny`` size (``LlamaWorkload(path, size="small")`` for the larger one).
 
     Raises:
-        ValueError: an unknown name, or a text file that is empty.
+        ValueError: an unknown name, or a text file that is empty or a folder.
         FileNotFoundError: ``text`` does not exist.
         ImportError: ``"llama"`` without transformers installed (the message says how to get it).
     """
@@ -227,6 +227,8 @@ class CharLMWorkload(Workload):
 
     def __init__(self, path: str, context: int = 64, d_model: int = 64, layers: int = 2, heads: int = 4):
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise ValueError(f"text file {path!r} is a folder; give the path of a text file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"text file {path!r} does not exist")
         size = os.path.getsize(path)

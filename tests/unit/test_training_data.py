@@ -119,3 +119,20 @@ def test_the_digits_are_scikit_learns_digits_read_without_importing_it():
             "assert np.array_equal(images, d.data) and np.array_equal(labels, d.target)\n"
             "assert images.shape == (1797, 64) and labels.dtype == np.int64\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_report_whose_path_went_bad_during_the_run_is_kept(tmp_path):
+    """The path is checked before a run starts; if it becomes unusable before the end (here a
+    folder made in its place), the finished run's report is kept and the write's error told."""
+    from monarch_nb.train.options import make_options
+    from monarch_nb.train.report import TrainReport
+    from monarch_nb.train.run import TrainingRun
+
+    path = tmp_path / "report.json"
+    run = TrainingRun(make_options("digits", procs=2, steps=4, report_json=str(path)))  # nothing is started
+    path.mkdir()
+    report = TrainReport(final_loss=0.5, test_accuracy=0.9, test_loss=0.4, steps=4, procs=2, workload="digits",
+                         backend="gloo", global_batch=64)
+    run.set_report(report)
+    assert isinstance(run.report_json_error, IsADirectoryError)
+    assert run._report is report  # (report() waits for the run's thread, which this test never starts)
