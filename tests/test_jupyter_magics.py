@@ -208,6 +208,29 @@ def test_interrupt_of_a_rank_stuck_in_c_returns_and_says_how_to_end_it(mesh, tmp
     mesh.ok("%%mesh\nassert rank in (0, 1, 2, 3)")  # the kernel and the mesh answer again
 
 
+def test_a_rank_that_fails_while_others_run_is_told_then_and_its_traceback_survives_the_interrupt(mesh, tmp_path):
+    """Rank 2 fails at once while rank 1 blocks in C, as a rank's peers wait in a collective for
+    a rank that failed: the cell says so while it still runs, and the interrupt that ends it shows
+    rank 2's traceback, not only that rank 1 did not stop."""
+    started = tmp_path / "started"
+    msg_id = mesh.send("%%mesh --ranks 1,2\nimport threading\nif rank == 2:\n    raise LookupError('rank 2 gave up')\n"
+                       f"open({str(started)!r}, 'w').close()\nthreading.Event().wait()")
+    wait_until(started.exists, 20, message="rank 1 to block in a C-level wait")
+
+    def told(outputs):
+        return any("rank 2 failed (LookupError: rank 2 gave up) while rank(s) 1 still run the cell" in c.get("text", "")
+                   for t, c in outputs)
+
+    assert told(mesh.drain(msg_id, 20, until=told)), mesh.pending.get(msg_id)
+    mesh.km.interrupt_kernel()
+    ex = mesh.collect(msg_id, 20)
+    text = ex.stream_text() + str(ex.error)
+    assert ex.status == "error" and "rank(s) 1 did not stop" in text, text
+    assert "[2:traceback]" in text and "LookupError: rank 2 gave up" in text, text
+    assert "restarted" in mesh.ok("%mesh restart 1").stream_text()
+    mesh.ok("%%mesh\nassert rank in (0, 1, 2, 3)")  # the kernel and the mesh answer again
+
+
 def test_background_output_lands_in_its_own_cell(mesh):
     ex = mesh.ok("%%mesh --no-block --out slow\nimport time\ntime.sleep(0.5)\nprint('late', rank)")
     other = mesh.ok("x = 1\nprint('other cell')")

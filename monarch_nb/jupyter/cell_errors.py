@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import SupervisionError, format_remote_traceback, group_identical
 from .ranks import format_ranks
 
-__all__ = ["MeshCellError", "render_error"]
+__all__ = ["MeshCellError", "render_error", "error_line"]
 
 #: how many distinct tracebacks an error shows before the summary line
 TRACEBACKS_SHOWN = 3
@@ -60,6 +60,11 @@ def _error_type(error: Any) -> str:
     if isinstance(error, BaseException):
         return type(error).__name__
     return error.get("type", "Exception")
+
+
+def error_line(error: Any) -> str:
+    """One rank's error in one line, ``Type: message``: the last line of :func:`render_error`."""
+    return render_error(error).rstrip("\n").rsplit("\n", 1)[-1]
 
 
 def render_error(error: Any) -> str:

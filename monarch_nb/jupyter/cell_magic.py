@@ -101,6 +101,9 @@ def _block(sess: Any, run: Any, timeout: float | None) -> None:
     run.show_results()
     error = run.error()
     if interrupted and not run.done():
+        if error is not None:  # the ranks that had failed before the interrupt: their tracebacks, not lost
+            run.output.stream("stderr", "\n".join(error._render_traceback_()) + "\n")
+            run.output.flush()
         raise UsageError(f"interrupted; rank(s) {format_ranks(run.running_ranks())} did not stop within {INTERRUPT_WAIT_S} s "
                          f"(a C call that blocks?): `%mesh restart RANK` ends it")
     if error is not None:

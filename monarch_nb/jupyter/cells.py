@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SupervisionError
-from .cell_errors import MeshCellError
+from .cell_errors import MeshCellError, error_line
 from .ranks import format_ranks
 from .routing import CellOutput, router_for
 
@@ -196,8 +196,12 @@ class CellRun:
             res.done = True
             res.incomplete = not markers and not dead
             all_done = all(r.done for r in self.results.values())
+            failed_first = not all_done and res.error is not None and rank not in self.interrupted
+            running = [r for r, other in self.results.items() if not other.done] if failed_first else []
         if all_done:
             self._finish()
+        elif running:  # said now: the others may be waiting for it (a collective), and never end
+            self._queue.put(("failed", rank, running))
 
     def check_stragglers(self) -> None:
         """Give up on end markers that never came (a rank that died without the proc dying)."""
@@ -328,6 +332,12 @@ class CellRun:
                 self.output.stream("stdout", f"[output:{rank}]\n")
                 self.output.flush()
                 self.output.display(bundle)
+            elif item[0] == "failed":
+                flush_text()
+                _, rank, running = item
+                self.output.stream("stderr", f"rank {rank} failed ({error_line(self.results[rank].error)}) while rank(s) "
+                                   f"{format_ranks(running)} still run the cell; its traceback follows when they end "
+                                   "(if they wait for it, as in a collective, interrupt the kernel)\n")
             elif item[0] == "done":
                 finished = True
         flush_text()
