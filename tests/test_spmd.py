@@ -92,6 +92,19 @@ def test_the_command_runs_a_script_restarts_it_and_reports_a_failure(tmp_path):
     assert usage.returncode == 2 and "no script 'nope.py'" in usage.stderr
 
 
+def test_the_command_exits_with_the_status_the_script_passed_to_sys_exit(tmp_path):
+    """As `python script.py` would: sys.exit(3) on a rank is the command's status 3, and a message
+    (sys.exit("...")) is status 1 with the message; one line each, no traceback of the runtime."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for code, status, said in (("3", 3, "exited with status 3 on rank"), ("'bad config'", 1, ": bad config")):
+        script = tmp_path / f"exit_{status}.py"
+        script.write_text(f"import sys\nsys.exit({code})\n")
+        ended = subprocess.run([sys.executable, "-m", "monarch_nb.cli", "run", "--procs", "2", str(script)],
+                               capture_output=True, text=True, timeout=120, env=env)
+        assert ended.returncode == status, ended.stderr
+        assert said in ended.stderr and "Traceback" not in ended.stderr, ended.stderr
+
+
 @pytest.mark.kernel
 def test_mesh_run_in_a_notebook_shows_each_ranks_output_and_debugs_the_failed_rank(tmp_path):
     from .jupyter_kernel import Kernel

@@ -7,8 +7,9 @@
 Every rank runs the script as ``__main__`` with torchrun's environment; its output comes live,
 each line prefixed with its rank. On a failure the other ranks are stopped at once; with
 ``--max-restarts K`` the whole group runs again on restarted procs. Exit status: 0 when every
-rank's script returned, 1 when the run failed (the tracebacks grouped by rank), 2 for a usage
-error, 130 on Ctrl-C (every rank stopped first).
+rank's script returned; the status the failing rank's script passed to ``sys.exit`` (1 for a
+message), as ``python script.py`` would; 1 when the run failed otherwise (the tracebacks grouped
+by rank); 2 for a usage error; 130 on Ctrl-C (every rank stopped first).
 """
 
 from __future__ import annotations
@@ -84,8 +85,18 @@ def _run(args: argparse.Namespace, placement) -> int:
     try:
         run = run_script(procs, args.script, args.args, max_restarts=args.max_restarts, timeout_s=args.timeout)
     except ScriptFailed as exc:
-        print(f"monarch-nb run: {exc}", file=sys.stderr)
-        return 1
+        status = exc.exit_status
+        if status is None:
+            print(f"monarch-nb run: {exc}", file=sys.stderr)
+            return 1
+        # as `python script.py` would: the script's own status, no traceback of the runtime's
+        last = exc.failures[-1]
+        said = str(last.error.remote.get("message", ""))  # type: ignore[attr-defined]  # an ActorError's (exit_status)
+        message = "" if said.startswith("the script exited with status") else f": {said.removeprefix('the script exited: ')}"
+        print(f"monarch-nb run: {os.path.basename(exc.script)} exited{'' if message else f' with status {status}'} "
+              f"on rank {last.rank}{' (the first to end)' if len(exc.failures) == 1 else f' in attempt {last.attempt + 1}'}"
+              f"{message}", file=sys.stderr)
+        return status if 0 < status < 256 else 1
     except KeyboardInterrupt:
         print("monarch-nb run: interrupted; every rank was stopped", file=sys.stderr)
         return 130

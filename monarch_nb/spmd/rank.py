@@ -21,11 +21,26 @@ __all__ = ["ScriptRank", "ScriptExited"]
 
 
 class ScriptExited(RuntimeError):
-    """The script called ``sys.exit`` with a non-zero status (its ``code`` attribute)."""
+    """The script called ``sys.exit`` with a non-zero status or a message (its ``code`` attribute)."""
+
+    _STATUS = "the script exited with status "
 
     def __init__(self, code: object):
         self.code = code
-        super().__init__(f"the script exited with status {code}")
+        super().__init__(f"{self._STATUS}{code}" if isinstance(code, int) else f"the script exited: {code}")
+
+    @classmethod
+    def status_of(cls, remote: dict) -> int | None:
+        """The process status a ScriptExited stands for, as its caller received it
+        (``ActorError.remote``, a plain-data traceback: the exception stays on the rank): the
+        script's int, or 1 for a message (as Python's own exit); None for another error."""
+        if remote.get("type") != cls.__qualname__:
+            return None
+        message = str(remote.get("message", ""))
+        try:
+            return int(message[len(cls._STATUS):]) if message.startswith(cls._STATUS) else 1
+        except ValueError:
+            return 1
 
 
 class ScriptRank(Actor):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ActorError, MonarchError, SupervisionError, says_peer_gone
-from .rank import ScriptRank
+from .rank import ScriptExited, ScriptRank
 
 if TYPE_CHECKING:
     from ..actor.mesh import ProcMesh
@@ -84,6 +84,13 @@ class ScriptFailed(MonarchError, RuntimeError):
         last = self.failures[-1]
         tries = f" (attempt {last.attempt + 1} of {len(self.failures)})" if len(self.failures) > 1 else ""
         super().__init__(f"{os.path.basename(script)} failed on rank {last.rank}{tries}:\n{last.error}")
+
+    @property
+    def exit_status(self) -> int | None:
+        """The status of the last attempt's failing rank when it ended by ``sys.exit`` (its int,
+        or 1 for a message, as ``python script.py`` would exit), or None: it raised, or its proc died."""
+        error = self.failures[-1].error
+        return ScriptExited.status_of(error.remote) if isinstance(error, ActorError) else None
 
 
 class _Owner:
