@@ -231,6 +231,32 @@ def test_a_rank_that_fails_while_others_run_is_told_then_and_its_traceback_survi
     mesh.ok("%%mesh\nassert rank in (0, 1, 2, 3)")  # the kernel and the mesh answer again
 
 
+def test_a_killed_rank_is_one_notice_for_the_users_meshes_and_none_for_the_notebooks_own(mesh):
+    """A rank killed under two meshes of the user's: the first gets the failure's report, the second
+    one line; the notebook's own cell executor and probe on that proc print nothing (they were
+    three more blocks naming internal actors)."""
+    spawned = mesh.send("from monarch_nb import Actor, endpoint\nfrom monarch_nb.jupyter import session as _session\n"
+                        "class Pinger(Actor):\n    @endpoint\n    def ping(self):\n        return 1\n"
+                        "pingers = _session.current().procs.spawn('pingers', Pinger)\n"
+                        "others = _session.current().procs.spawn('others', Pinger)\n"
+                        "assert pingers.ping.call().get() and others.ping.call().get()")
+    cells = [mesh.collect(spawned, 60)]
+    killed = mesh.send("%mesh fault kill 1")  # returns once the controller saw the exit
+    cells.append(mesh.collect(killed, 60))
+    assert [ex.status for ex in cells] == ["ok", "ok"]
+
+    def printed() -> str:  # in either cell, while it ran or after
+        later = [out for ex in cells for out in mesh.pending.get(ex.msg_id, [])]
+        return "".join(c.get("text", "") for t, c in [*cells[0].outputs, *cells[1].outputs, *later] if t == "stream")
+
+    mesh.drain(killed, 20, until=lambda _: "unhandled failure of" in printed() and "failed the same way" in printed())
+    text = printed()
+    assert text.count("unhandled failure of") == 1 and text.count("failed the same way on rank(s) [1]") == 1, text
+    assert "Killed(sig=9)" in text and "_mesh_cells" not in text and "_mesh_probe" not in text, text
+    assert "restarted" in mesh.ok("%mesh restart 1", 60).stream_text()
+    mesh.ok("pingers.stop().get(); others.stop().get()")
+
+
 def test_background_output_lands_in_its_own_cell(mesh):
     ex = mesh.ok("%%mesh --no-block --out slow\nimport time\ntime.sleep(0.5)\nprint('late', rank)")
     other = mesh.ok("x = 1\nprint('other cell')")

@@ -103,21 +103,28 @@ def _print_in_last_cell(text: str) -> bool:
     return True
 
 
-_last_printed: list[Any] = [None, 0.0]  # (mesh, reason) of the failure printed last, and when
+_last_printed: list[Any] = [None, None, 0.0]  # the mesh and the reason of the failure printed last, and when
+#: a failure of another mesh, or of more ranks, with the same reason this soon after (seconds) is the same event
+SAME_EVENT_S = 5.0
 
 
 def default_unhandled_fault_hook(failure: MeshFailure) -> None:
     """Print the failure (in the notebook cell that used the actor API last, or to stderr) and go
-    on. The same failure on further ranks of the mesh, right after, is one line each."""
+    on. What follows from the same event right after (the same reason within
+    :data:`SAME_EVENT_S`: the mesh on further ranks, the other meshes of a proc that died) is one
+    line each; the runtime's own meshes (a name with a leading underscore: the notebook's cell
+    executors and probes, whose failures the cells and ``%mesh status`` report) print nothing."""
     import time
 
-    key = (failure.mesh_name, failure.reason)
     now = time.monotonic()
-    if _last_printed[0] == key and now - _last_printed[1] < 5.0:
+    same_event = failure.reason == _last_printed[1] and now - _last_printed[2] < SAME_EVENT_S
+    if failure.mesh_name.startswith("_"):
+        return
+    if same_event:
         text = f"monarch_nb: {failure.mesh_name} failed the same way on rank(s) {failure.crashed_ranks}\n"
     else:
         text = f"monarch_nb: unhandled failure of {failure.mesh_name} (ranks {failure.crashed_ranks}):\n{failure.report()}\n"
-    _last_printed[:] = [key, now]
+    _last_printed[:] = [failure.mesh_name, failure.reason, now]
     if not _print_in_last_cell(text):
         sys.stderr.write(text)
         sys.stderr.flush()
