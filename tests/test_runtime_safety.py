@@ -246,3 +246,55 @@ def test_the_local_agents_hello_is_heard_when_it_comes_before_its_record(tmp_pat
     """, tmp_path, timeout_s=90)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "started in" in proc.stdout
+
+
+def test_a_mesh_stopped_while_its_procs_start_leaves_none_running(tmp_path):
+    """Stopping a mesh whose procs have not said hello yet (their fork server still imports what
+    they preload, so neither the stop nor the kill after it can reach them) kills each as it says
+    hello: none is left serving a stopped mesh, and the spawn that waited for them fails at once
+    saying why (they were left running, and the spawn returned a mesh that was stopped). In a
+    controller of its own, so that the fork server it starts ends with it."""
+    result = _run_script("""
+        import json, os, threading, time
+        from monarch_nb import this_host
+        from monarch_nb.runtime.controller import Controller
+        from monarch_nb.supervision.records import ProcState
+
+        def until(condition, timeout_s):
+            deadline = time.monotonic() + timeout_s
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return condition()
+
+        def alive(pid):
+            try:
+                os.kill(pid, 0)
+                return not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+            except (OSError, IndexError):
+                return False
+
+        failed = []
+        def spawn():
+            try:  # preloading torch: its fork server takes seconds to start
+                this_host().spawn_procs(per_host={"gpus": 2}, name="m", preload=("torch",))
+            except RuntimeError as exc:
+                failed.append(str(exc))
+        thread = threading.Thread(target=spawn, daemon=True)
+        thread.start()
+        until(lambda: Controller.existing() is not None and "m" in Controller.existing().meshes, 60)
+        ctrl = Controller.get()
+        records = [ctrl.procs[identity] for identity in ctrl.meshes["m"].procs]
+        said_hello = [rec.pid for rec in records if rec.pid]
+        ctrl.stop_procs("m", timeout_s=0.5)
+        thread.join(30)
+        stopped = until(lambda: all(rec.state == ProcState.STOPPED for rec in records), 60)
+        pids = [rec.pid for rec in records]
+        gone = until(lambda: not [pid for pid in pids if pid and alive(pid)], 10)
+        print(json.dumps({"said_hello": said_hello, "spawn": failed, "stopped": stopped, "pids": pids, "gone": gone,
+                          "states": [rec.state.value for rec in records]}))
+    """, tmp_path, timeout_s=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["said_hello"] == [], "a proc said hello before the stop: the case this test is for did not happen"
+    assert len(seen["spawn"]) == 1 and "was stopped while its procs started" in seen["spawn"][0], seen
+    assert seen["stopped"] and all(seen["pids"]) and seen["gone"], seen

@@ -792,6 +792,8 @@ class HostAgent:
             self.channel.send(CONTROLLER, exiting)
         self.pools.clear()
         for server in self.servers.values():
+            if server.state != ServerState.DEAD:
+                server.move(ServerState.DEAD)  # its exit, reaped below, is this shutdown's: no warning of it
             try:
                 server.popen.kill()
             except OSError:

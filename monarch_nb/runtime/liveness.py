@@ -102,6 +102,13 @@ class Liveness:
         rec.fenced = False
         rec.failure = None
         rec.started_at = rec.last_heartbeat
+        if rec.state == ProcState.STOPPING:  # its mesh was stopped while it started, and neither the stop
+            # nor the kill after it could reach it (its agent did not know its pid yet): it has no actor
+            # to stop politely, so it is killed now (and asked to stop, should its agent still not know it)
+            self.ctrl.record_event("proc_started", rec, detail=f"pid {rec.pid}; killed at once: its mesh was stopped while it started")
+            self.ctrl.signal_proc(rec.identity, "SIGKILL")
+            self.ctrl.channel.send(rec.identity, {"kind": Kind.STOP})
+            return
         restarting = rec.move(ProcState.HEALTHY, "hello") == ProcState.RESTARTING
         if restarting:
             self._respawn_actors(rec)

@@ -178,11 +178,14 @@ class ProcMeshes:
 
         Raises:
             AttachError: a host was lost and did not come back within :func:`host_return_s`.
-            RuntimeError: a proc exited or did not say hello within ``start_timeout_s``.
+            RuntimeError: a proc exited or did not say hello within ``start_timeout_s``, or the
+                mesh was stopped meanwhile (by another thread).
         """
         deadline = time.monotonic() + config.start_timeout_s
         for rec in records:
             while not (rec.ready.wait(0.05) and rec.serving):
+                if rec.state in (ProcState.STOPPING, ProcState.STOPPED):
+                    raise RuntimeError(f"proc mesh {name} was stopped while its procs started")
                 if rec.state == ProcState.FAILED and _lost_with_host(rec):
                     self._respawn_on_returned_host(name, rec.host, records)
                     continue
