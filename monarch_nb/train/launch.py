@@ -81,8 +81,10 @@ class Launch(CoordinatorState):
 
         o = self.o
         self.run.phase("spawning")
-        # the run's store needs torch.distributed here (1-2 s to import): meanwhile the procs start
-        threading.Thread(target=_import_quietly, args=("torch.distributed",), name="monarch_nb-import", daemon=True).start()
+        # the run's store needs torch.distributed here (1-2 s to import): meanwhile the procs start. Not a
+        # daemon: an interpreter that exits meanwhile (Ctrl-C during set-up) lets the import end, instead of
+        # finalizing a half-imported torch (its finalizers' TypeErrors, printed at exit)
+        threading.Thread(target=_import_quietly, args=("torch.distributed",), name="monarch_nb-import", daemon=False).start()
         extra: dict = {}
         if o.spares:
             if "spares" in inspect.signature(HostMesh.spawn_procs).parameters:
