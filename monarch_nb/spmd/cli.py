@@ -85,17 +85,15 @@ def _run(args: argparse.Namespace, placement) -> int:
     try:
         run = run_script(procs, args.script, args.args, max_restarts=args.max_restarts, timeout_s=args.timeout)
     except ScriptFailed as exc:
-        status = exc.exit_status
-        if status is None:
+        if exc.exited is None:
             print(f"monarch-nb run: {exc}", file=sys.stderr)
             return 1
         # as `python script.py` would: the script's own status, no traceback of the runtime's
+        status, message = exc.exited
         last = exc.failures[-1]
-        said = str(last.error.remote.get("message", ""))  # type: ignore[attr-defined]  # an ActorError's (exit_status)
-        message = "" if said.startswith("the script exited with status") else f": {said.removeprefix('the script exited: ')}"
         print(f"monarch-nb run: {os.path.basename(exc.script)} exited{'' if message else f' with status {status}'} "
               f"on rank {last.rank}{' (the first to end)' if len(exc.failures) == 1 else f' in attempt {last.attempt + 1}'}"
-              f"{message}", file=sys.stderr)
+              f"{f': {message}' if message else ''}", file=sys.stderr)
         return status if 0 < status < 256 else 1
     except KeyboardInterrupt:
         print("monarch-nb run: interrupted; every rank was stopped", file=sys.stderr)

@@ -24,23 +24,26 @@ class ScriptExited(RuntimeError):
     """The script called ``sys.exit`` with a non-zero status or a message (its ``code`` attribute)."""
 
     _STATUS = "the script exited with status "
+    _MESSAGE = "the script exited: "
 
     def __init__(self, code: object):
         self.code = code
-        super().__init__(f"{self._STATUS}{code}" if isinstance(code, int) else f"the script exited: {code}")
+        super().__init__(f"{self._STATUS}{code}" if isinstance(code, int) else f"{self._MESSAGE}{code}")
 
     @classmethod
-    def status_of(cls, remote: dict) -> int | None:
-        """The process status a ScriptExited stands for, as its caller received it
-        (``ActorError.remote``, a plain-data traceback: the exception stays on the rank): the
-        script's int, or 1 for a message (as Python's own exit); None for another error."""
+    def read(cls, remote: dict) -> tuple[int, str] | None:
+        """What a ScriptExited says, as its caller received it (``ActorError.remote``, a plain-data
+        traceback: the exception stays on the rank): the process status (the script's int, or 1
+        for a message, as Python's own exit) and the message ("" for an int); None for another error."""
         if remote.get("type") != cls.__qualname__:
             return None
-        message = str(remote.get("message", ""))
-        try:
-            return int(message[len(cls._STATUS):]) if message.startswith(cls._STATUS) else 1
-        except ValueError:
-            return 1
+        said = str(remote.get("message", ""))
+        if said.startswith(cls._STATUS):
+            try:
+                return int(said[len(cls._STATUS):]), ""
+            except ValueError:
+                pass
+        return 1, said.removeprefix(cls._MESSAGE)
 
 
 class ScriptRank(Actor):

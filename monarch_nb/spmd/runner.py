@@ -86,11 +86,12 @@ class ScriptFailed(MonarchError, RuntimeError):
         super().__init__(f"{os.path.basename(script)} failed on rank {last.rank}{tries}:\n{last.error}")
 
     @property
-    def exit_status(self) -> int | None:
-        """The status of the last attempt's failing rank when it ended by ``sys.exit`` (its int,
-        or 1 for a message, as ``python script.py`` would exit), or None: it raised, or its proc died."""
+    def exited(self) -> tuple[int, str] | None:
+        """How the last attempt's failing rank ended when it was by ``sys.exit``: the status (its
+        int, or 1 for a message, as ``python script.py`` would exit) and the message ("" for an
+        int); None: it raised, or its proc died."""
         error = self.failures[-1].error
-        return ScriptExited.status_of(error.remote) if isinstance(error, ActorError) else None
+        return ScriptExited.read(error.remote) if isinstance(error, ActorError) else None
 
 
 class _Owner:
