@@ -280,14 +280,18 @@ class ForkServer:
     def pending_tags(self) -> list[Any]:
         return [p.tag for p in self._pending]
 
-    def close(self) -> list[tuple[Any, ForkedProc | None]]:
-        """Kill the server (its procs live on); return the requests it will not answer, failed."""
+    def kill(self) -> None:
+        """Kill the server (its procs live on), dead from now on: its exit, when reaped, is expected."""
         if self.state != ServerState.DEAD:
             self.move(ServerState.DEAD)
         try:
             self.popen.kill()
         except OSError:
             pass
+
+    def close(self) -> list[tuple[Any, ForkedProc | None]]:
+        """Kill the server (its procs live on); return the requests it will not answer, failed."""
+        self.kill()
         failed = self.replies()
         self.sock.close()
         if self.ready_fd >= 0:

@@ -792,12 +792,7 @@ class HostAgent:
             self.channel.send(CONTROLLER, exiting)
         self.pools.clear()
         for server in self.servers.values():
-            if server.state != ServerState.DEAD:
-                server.move(ServerState.DEAD)  # its exit, reaped below, is this shutdown's: no warning of it
-            try:
-                server.popen.kill()
-            except OSError:
-                pass
+            server.kill()  # dead first: its exit, reaped below, is this shutdown's (no warning of it)
         for pid in list(self.children):
             try:
                 os.kill(pid, signal.SIGKILL)
