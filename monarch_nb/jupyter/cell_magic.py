@@ -102,8 +102,7 @@ def _block(sess: Any, run: Any, timeout: float | None) -> None:
     error = run.error()
     if interrupted and not run.done():
         if error is not None:  # the ranks that had failed before the interrupt: their tracebacks, not lost
-            run.output.stream("stderr", "\n".join(error._render_traceback_()) + "\n")
-            run.output.flush()
+            _show_error(run, error)
         raise UsageError(f"interrupted; rank(s) {format_ranks(run.running_ranks())} did not stop within {INTERRUPT_WAIT_S} s "
                          f"(a C call that blocks?): `%mesh restart RANK` ends it")
     if error is not None:
@@ -113,13 +112,18 @@ def _block(sess: Any, run: Any, timeout: float | None) -> None:
     return None
 
 
+def _show_error(run: Any, error: Any) -> None:
+    """``error`` (a MeshCellError) as IPython would show it, on ``run``'s stderr."""
+    run.output.stream("stderr", "\n".join(error._render_traceback_()) + "\n")
+    run.output.flush()
+
+
 def _pump_background(run: Any) -> None:
     try:
         run.pump()
         run.show_results()
         error = run.error()
         if error is not None:
-            run.output.stream("stderr", "\n".join(error._render_traceback_()) + "\n")
-            run.output.flush()
+            _show_error(run, error)
     except Exception:
         log.exception("showing the output of %r failed", run)
