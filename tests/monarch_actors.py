@@ -121,6 +121,43 @@ class BadOnRank(Actor):
             f.write("cleaned")
 
 
+class HeldCleanup(Actor):
+    """Its ``__cleanup__`` writes ``cleaning-<rank>``, then holds until ``release`` exists (30 s
+    at most): a stop that is under way, for as long as the test needs."""
+
+    def __init__(self, marker_dir: str):
+        self.marker_dir = marker_dir
+
+    @endpoint
+    def ok(self) -> str:
+        return "ok"
+
+    def __cleanup__(self, exc):
+        _hold_in_cleanup(self.marker_dir)
+
+
+class AsyncHeldCleanup(Actor):
+    """HeldCleanup with ``async`` endpoints (an actor on an asyncio loop)."""
+
+    def __init__(self, marker_dir: str):
+        self.marker_dir = marker_dir
+
+    @endpoint
+    async def ok(self) -> str:
+        return "ok"
+
+    async def __cleanup__(self, exc):
+        await asyncio.to_thread(_hold_in_cleanup, self.marker_dir)
+
+
+def _hold_in_cleanup(marker_dir: str) -> None:
+    with open(os.path.join(marker_dir, f"cleaning-{current_rank().rank}"), "w") as f:
+        f.write("cleaning")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(marker_dir, "release")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class Fixed(Actor):
     def __init__(self, bad_ranks: list, marker_dir: str):
         pass

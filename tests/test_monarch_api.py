@@ -31,7 +31,8 @@ from monarch_nb.actor import (
 
 from .conftest import hang_deadline_s, pid_alive, wait_until
 from .monarch_actors import (
-    AsyncWorker, BadOnRank, ControllerUser, Counter, Finalized, Fixed, Logs, Odd, Owner, Ported, Raiser, Sender,
+    AsyncHeldCleanup, AsyncWorker, BadOnRank, ControllerUser, Counter, Finalized, Fixed, HeldCleanup, Logs, Odd, Owner,
+    Ported, Raiser, Sender,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -156,6 +157,30 @@ def test_spawn_returns_at_once_and_a_failing_constructor_reaches_the_hook(procs4
         bad.ok.call().get(timeout=T)
     fixed = procs4.spawn("model", Fixed, [1], str(tmp_path))  # the notebook re-run loop: same name again
     assert fixed.ok.call().get(timeout=T).values() == ["fixed"] * 4
+
+
+@pytest.mark.parametrize("cls", [HeldCleanup, AsyncHeldCleanup], ids=["sync", "async"])
+def test_a_call_that_reaches_an_actor_while_it_stops_is_refused_not_lost(procs4, cls, tmp_path):
+    """A call that comes while the actor runs its ``__cleanup__`` (the stop under way) gets
+    SupervisionError ("was stopped") once the stop ends; it used to wait in a mailbox no thread
+    read any more (a failed spawn's cleanup raced the next call the same way)."""
+    held = procs4.spawn("held", cls, str(tmp_path))
+    assert held.ok.call().get(timeout=T).values() == ["ok"] * 4
+    stopping = concurrent.futures.ThreadPoolExecutor(1)
+    stopped = stopping.submit(lambda: held.stop().get(timeout=T))
+    try:
+        wait_until(lambda: len([n for n in os.listdir(tmp_path) if n.startswith("cleaning-")]) == 4, T,
+                   message="every rank in its cleanup")
+        during = held.ok.call()
+        (tmp_path / "release").write_text("go")
+        with pytest.raises(SupervisionError, match="was stopped"):
+            during.get(timeout=T)
+        stopped.result(timeout=T)
+        with pytest.raises(SupervisionError, match="was stopped"):
+            held.ok.call().get(timeout=T)
+    finally:
+        (tmp_path / "release").write_text("go")
+        stopping.shutdown(wait=True)
 
 
 def test_spawn_and_adverbs_forward_any_keyword(procs4):

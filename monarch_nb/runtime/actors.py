@@ -15,6 +15,9 @@ or a ``BaseException`` other than ``KeyboardInterrupt`` (which interrupts cells)
 constructor that raises, or ``abort()``, the actor *fails*: the call in flight and every later
 one get SupervisionError, its ``__cleanup__(exc)`` runs, and the controller is told
 (``actor_failed``), which tells the actor's owner. Reporting never ends an actor's thread.
+
+A stop ends it: messages queued behind the stop, and any that reach the runner after (a call
+racing the stop), are answered with the actor's tombstone (SupervisionError), never left unread.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class ActorRunner:
         self.stopped = False
         self.abandoned = False  # stopped while its constructor ran: stop once it returns
         self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False  # the stop ended: nothing reads the mailbox; a message posted now is refused
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aqueue: asyncio.Queue | None = None
         self._tasks: set = set()
@@ -121,16 +125,55 @@ class ActorRunner:
 
     # -- delivery (any thread) ----------------------------------------------------------------
     def post(self, item: tuple) -> None:
+        """Queue ``item`` for the actor's thread (any thread). Every item leaves the mailbox once:
+        to the actor, or, after its stop ended (a call racing the stop), refused with its tombstone."""
+        self.mailbox.put(item)
         if self._loop is not None:
             try:
-                assert self._aqueue is not None  # made with the loop, before the runner is handed out
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: the actor is gone
-                self.host.refuse(item)
+                self._loop.call_soon_threadsafe(self._pump)
+            except RuntimeError:  # the loop is closed: the stop ended (refused below)
+                pass
+        elif self._leading and threading.get_ident() != self._thread_id:
+            self.host.wake()  # it is receiving on its own thread: look at the mailbox
+        if self._closed:  # nothing reads the mailbox now: whatever is left there is answered here
+            self._refuse_left()
+
+    def _pump(self) -> None:
+        """One mailbox item to the asyncio dispatcher (loop thread)."""
+        try:
+            item = self.mailbox.get_nowait()
+        except queue.Empty:  # taken by _refuse_left
+            return
+        if self._closed:
+            self._refuse(item)
         else:
-            self.mailbox.put(item)
-            if self._leading and threading.get_ident() != self._thread_id:
-                self.host.wake()  # it is receiving on its own thread: look at the mailbox
+            assert self._aqueue is not None  # made with the loop, before the runner is handed out
+            self._aqueue.put_nowait(item)
+
+    def _close(self) -> None:
+        """The actor's thread ends (its stop ended, the host made its tombstone): answer what
+        came after the stop, and whatever comes later."""
+        self._closed = True
+        if self._aqueue is not None:
+            while not self._aqueue.empty():
+                self._refuse(self._aqueue.get_nowait())
+        self._refuse_left()
+
+    def _refuse_left(self) -> None:
+        while True:
+            try:
+                item = self.mailbox.get_nowait()
+            except queue.Empty:
+                return
+            self._refuse(item)
+
+    def _refuse(self, item: tuple) -> None:
+        kind, header = item[0], item[1]
+        if kind == "stop":
+            if header is not None:
+                self.host.reply(header, True, None)  # stopped already
+        elif kind != "supervise":  # a stopped actor supervises nothing
+            self.host.refuse(item)
 
     def supervise(self, failure: MeshFailure) -> None:
         """Run ``__supervise__(failure)`` (async actors: at once, even while an endpoint awaits)."""
@@ -167,6 +210,7 @@ class ActorRunner:
             kind, header, body, buffers = self._next_item()
             if kind == "stop":
                 self._stop_sync(header)
+                self._close()
                 return
             try:
                 if kind == "supervise":
@@ -232,6 +276,7 @@ class ActorRunner:
             except BaseException:  # noqa: BLE001
                 pass
             loop.close()
+            self._close()
 
     async def _dispatch(self) -> None:
         assert self._aqueue is not None
