@@ -23,7 +23,9 @@ no fork server) with a trivial actor, then:
   beside it the floor: the same call to all over plain pyzmq between as many bare Python
   processes (``raw_call_all_floor``: no signing, pickling or actor), and the wire floor: the
   same processes verifying, unpickling, answering and signing with monarch_nb's own message code
-  (``wire.decode``/``encode``), on one thread, without its runtime (``WIRE_WORKER``);
+  (``wire.decode``/``encode``), on one thread, without its runtime (``WIRE_WORKER``), and that
+  wire floor again over Unix ``SOCK_SEQPACKET`` socketpairs instead of ZeroMQ
+  (``packet_call_all_floor``: no libzmq IO thread between a process's socket and its Python);
 - SIGKILL seen: a rank's process killed (by pid) to its ``proc_exited`` event, one sample;
 - SIGSTOP seen: another rank stopped (by pid) to its ``proc_hung`` event, one sample (the hang
   timeout, 2 s by default, plus the detection delay).
@@ -89,6 +91,7 @@ import pickle
 import resource
 import signal
 import statistics
+import struct
 import subprocess
 import threading
 import sys
@@ -176,6 +179,105 @@ while (frames := sock.recv_multipart())[0] != b"quit":
     reply = {"kind": "reply", "cid": header["cid"], "idx": header["idx"], "ok": True, "src": sys.argv[2], "dst": header["src"], "seq": seq}
     sock.send_multipart(encode(signer, reply, pickle.dumps(result, 5)))
 """
+
+
+#: The wire floor's worker over a Unix ``SOCK_SEQPACKET`` socket (an inherited socketpair end)
+#: instead of ZeroMQ: the same message code, each message one packet (``frame_packet``), a
+#: blocking ``recv`` on the one thread: no libzmq IO thread between the socket and Python.
+PACKET_WORKER = """
+import os, pickle, socket, struct, sys
+from monarch_nb.transport.wire import Signer, decode, encode
+signer = Signer(bytes.fromhex(sys.argv[3]))
+sock = socket.socket(fileno=int(sys.argv[1]))
+def frames_of(packet):
+    count = packet[0]
+    view, at, frames = memoryview(packet), 1 + 4 * count, []
+    for size in struct.unpack_from(f"<{count}I", packet, 1):
+        frames.append(view[at:at + size])
+        at += size
+    return frames
+sock.send(b"ready")
+endpoints, seq = {"ping": os.getpid}, 0
+while (packet := sock.recv(1 << 16)) != b"quit":
+    header, body, buffers = decode(signer, frames_of(packet))
+    args, kwargs = pickle.loads(body)
+    result = endpoints[header["ep"]](*args, **kwargs)
+    seq += 1
+    reply = {"kind": "reply", "cid": header["cid"], "idx": header["idx"], "ok": True, "src": sys.argv[2], "dst": header["src"], "seq": seq}
+    frames = [bytes(f) for f in encode(signer, reply, pickle.dumps(result, 5))]
+    sock.send(bytes([len(frames)]) + struct.pack(f"<{len(frames)}I", *map(len, frames)) + b"".join(frames))
+"""
+
+
+def frame_packet(frames: list) -> bytes:
+    """Frames as one packet: their count (1 byte), their sizes (``<u32`` each), their bytes."""
+    frames = [bytes(f) for f in frames]
+    return bytes([len(frames)]) + struct.pack(f"<{len(frames)}I", *map(len, frames)) + b"".join(frames)
+
+
+def packet_frames(packet: bytes) -> list[bytes]:
+    """:func:`frame_packet` undone."""
+    count, at, frames = packet[0], 1 + 4 * packet[0], []
+    for size in struct.unpack_from(f"<{count}I", packet, 1):
+        frames.append(packet[at:at + size])
+        at += size
+    return frames
+
+
+def packet_call_all_floor(n: int, calls: int) -> float:
+    """p50 seconds of the wire floor's call to all (:func:`raw_call_all_floor` with ``wire``) over
+    Unix ``SOCK_SEQPACKET`` socketpairs instead of ZeroMQ (:data:`PACKET_WORKER`): what the same
+    message code costs when no libzmq IO thread stands between each process's socket and its
+    Python thread (two thread hand-offs a message in each process; docs/scale.md)."""
+    import selectors
+    import socket
+
+    from monarch_nb.transport.wire import Signer, decode, encode
+    key = os.urandom(32)
+    signer = Signer(key)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(n)]
+    workers = []
+    try:
+        for i, (_, theirs) in enumerate(pairs):
+            workers.append(subprocess.Popen([sys.executable, "-c", PACKET_WORKER, str(theirs.fileno()), f"w{i}", key.hex()],
+                                            env=env, pass_fds=[theirs.fileno()]))
+            theirs.close()
+        ours = [mine for mine, _ in pairs]
+        selector = selectors.DefaultSelector()
+        for sock in ours:
+            sock.settimeout(120)
+            if sock.recv(16) != b"ready":
+                raise RuntimeError("a packet floor worker did not start")
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ)
+        body, samples, seq = pickle.dumps(((), {}), 5), [], 0
+        for call in range(calls + 5):
+            t0 = time.perf_counter()
+            for index, sock in enumerate(ours):
+                seq += 1
+                header = {"kind": "call", "ep": "ping", "cid": f"c{call}", "idx": index, "src": "controller",
+                          "dst": f"w{index}", "seq": seq, "reply_to": "controller"}
+                sock.send(frame_packet(encode(signer, header, body)))
+            answered = 0
+            while answered < n:
+                for key_, _ in selector.select(120):
+                    decode(signer, packet_frames(key_.fileobj.recv(1 << 16)))  # type: ignore[union-attr]
+                    answered += 1
+            samples.append(time.perf_counter() - t0)
+        for sock in ours:
+            sock.setblocking(True)
+            sock.send(b"quit")
+    finally:
+        for worker in workers:
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        for mine, _ in pairs:
+            mine.close()
+    return statistics.median(samples[5:])
 
 
 def raw_call_all_floor(n: int, calls: int, *, wire: bool = False) -> float:
@@ -691,9 +793,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sorted({row["procs"] for row in rows})
     floors = {n: raw_call_all_floor(n, args.calls) for n in sizes}
     wire_floors = {n: raw_call_all_floor(n, args.calls, wire=True) for n in sizes}
+    packet_floors = {n: packet_call_all_floor(n, args.calls) for n in sizes}
     for row in rows:
         row["raw_zmq_call_all_p50_ms"] = 1e3 * floors[row["procs"]]
         row["wire_floor_call_all_p50_ms"] = 1e3 * wire_floors[row["procs"]]
+        row["packet_wire_floor_call_all_p50_ms"] = 1e3 * packet_floors[row["procs"]]
     # each size straight (every proc's messages, every host's heartbeats to the controller), through
     # the agents, and from relay_min_hosts hosts on with the agents' heartbeats through relays too
     paths = {"direct": (False, False, False), "agents": (True, False, False), "tree-down": (True, True, False),
@@ -713,13 +817,13 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "scale.json").write_text(json.dumps(out, indent=1))
     print(f"{'heartbeats':>10} {'procs':>6} {'spawn->reply s':>15} {'ctrl CPU idle %':>16} {'ctrl msgs/s':>12} "
           f"{'agent CPU %':>12} {'procs CPU %':>12} {'call-all p50 ms':>16} {'p95 ms':>8} {'raw pyzmq ms':>13} {'wire floor ms':>14} "
-          f"{'CPU/call: ctrl ms':>18} {'procs ms':>9} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
+          f"{'packets ms':>11} {'CPU/call: ctrl ms':>18} {'procs ms':>9} {'SIGKILL seen ms':>16} {'SIGSTOP seen s':>15}")
     for r in rows:
         print(f"{r['heartbeats']:>10} {r['procs']:>6} {r['spawn_to_first_reply_s']:>15.2f} {r['controller_cpu_idle_pct']:>16.1f} "
               f"{r['controller_messages_per_s_idle']:>12.0f} {r['agent_cpu_idle_pct']:>12.1f} {r['procs_cpu_idle_pct']:>12.1f} "
               f"{r['call_all_p50_ms']:>16.2f} "
               f"{r['call_all_p95_ms']:>8.2f} {r['raw_zmq_call_all_p50_ms']:>13.2f} {r['wire_floor_call_all_p50_ms']:>14.2f} "
-              f"{r['controller_cpu_per_call_all_ms']:>18.2f} "
+              f"{r['packet_wire_floor_call_all_p50_ms']:>11.2f} {r['controller_cpu_per_call_all_ms']:>18.2f} "
               f"{r['procs_cpu_per_call_all_ms']:>9.2f} {r['sigkill_seen_ms']:>16.1f} {r['sigstop_seen_s']:>15.2f}")
     if simulated:
         print(f"\nsimulated hosts (heartbeats through the agents)\n{'hosts':>6} {'procs':>6} {'relays':>6} "
