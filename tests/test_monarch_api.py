@@ -183,6 +183,28 @@ def test_a_call_that_reaches_an_actor_while_it_stops_is_refused_not_lost(procs4,
         stopping.shutdown(wait=True)
 
 
+def test_a_stop_whose_cleanup_does_not_return_ends_after_its_grace_and_later_calls_are_refused(procs4, tmp_path):
+    """``__cleanup__`` holds (until the test lets it go): ``stop()`` returns after the grace
+    (STOP_GRACE_S), not the controller's 30 s, and a call after it gets SupervisionError at once
+    instead of waiting behind the cleanup for good."""
+    from monarch_nb.runtime.actors import STOP_GRACE_S
+
+    held = procs4.spawn("held", HeldCleanup, str(tmp_path))
+    assert held.ok.call().get(timeout=T).values() == ["ok"] * 4
+    try:
+        t0 = time.monotonic()
+        assert held.stop().get(timeout=T) is None
+        took = time.monotonic() - t0
+        assert STOP_GRACE_S - 0.5 < took < STOP_GRACE_S + 10, took
+        assert len([n for n in os.listdir(tmp_path) if n.startswith("cleaning-")]) == 4  # all four still in it
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError, match="was stopped"):
+            held.ok.call().get(timeout=T)
+        assert time.monotonic() - t0 < 5
+    finally:
+        (tmp_path / "release").write_text("go")
+
+
 def test_spawn_and_adverbs_forward_any_keyword(procs4):
     odd = procs4.spawn("o", Odd, name="y", cls="c", rank=7)
     assert odd.slice(gpus=0).args_seen.call_one().get(timeout=T) == ("y", "c", 7)

@@ -148,6 +148,24 @@ class ActorHost:
             self.reply(header, True, None)
             return
         runner.stop(header)
+        if self._call_later is not None:
+            self._call_later(STOP_GRACE_S, lambda: self._stop_overran(runner, header))
+
+    def _stop_overran(self, runner: ActorRunner, header: CallHeader) -> None:
+        """``runner``'s stop has not ended within :data:`STOP_GRACE_S` (an endpoint or its
+        ``__cleanup__`` does not return): answer the stop, and every message for the actor from
+        now on, as a stopped actor's; its thread is left to finish (a thread cannot be killed)."""
+        with self._lock:
+            if self.runners.get(runner.name) is not runner:
+                return  # it stopped in time
+            del self.runners[runner.name]
+            self._tombstones[runner.name] = runner.failed or self.stopped_info(runner.name)
+        busy = runner.current[0] if runner.current is not None else "__cleanup__"
+        log.warning("actor %s on %s did not stop within %.0f s (its %s has not returned): it is stopped now for its "
+                    "callers; the %s goes on in its thread until it returns or the proc exits",
+                    runner.name, self.identity, STOP_GRACE_S, busy, busy)
+        self.reply(header, True, None)
+        runner.close()
 
     def on_supervise(self, header: CallHeader, body: Any, buffers: list[memoryview]) -> None:
         runner = self.runners.get(header["actor"])

@@ -106,7 +106,7 @@ class ActorRunner:
         self.stopped = False
         self.abandoned = False  # stopped while its constructor ran: stop once it returns
         self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False  # the stop ended: nothing reads the mailbox; a message posted now is refused
+        self._closed = False  # nothing reads the mailbox any more (the stop ended, or overran): a message posted now is refused
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aqueue: asyncio.Queue | None = None
         self._tasks: set = set()
@@ -126,7 +126,7 @@ class ActorRunner:
     # -- delivery (any thread) ----------------------------------------------------------------
     def post(self, item: tuple) -> None:
         """Queue ``item`` for the actor's thread (any thread). Every item leaves the mailbox once:
-        to the actor, or, after its stop ended (a call racing the stop), refused with its tombstone."""
+        to the actor, or, once nothing reads it (a call racing the stop), refused with SupervisionError."""
         self.mailbox.put(item)
         if self._loop is not None:
             try:
@@ -144,19 +144,17 @@ class ActorRunner:
             item = self.mailbox.get_nowait()
         except queue.Empty:  # taken by _refuse_left
             return
-        if self._closed:
+        if self.stopped or self._closed:  # it came after the stop
             self._refuse(item)
         else:
             assert self._aqueue is not None  # made with the loop, before the runner is handed out
             self._aqueue.put_nowait(item)
 
-    def _close(self) -> None:
-        """The actor's thread ends (its stop ended, the host made its tombstone): answer what
-        came after the stop, and whatever comes later."""
+    def close(self) -> None:
+        """Nothing will read the mailbox any more (any thread; idempotent): the actor's thread
+        ended after its stop, or its ``__cleanup__`` overran the stop's grace and it is left to
+        it. What came after the stop is answered now, and whatever comes later at once."""
         self._closed = True
-        if self._aqueue is not None:
-            while not self._aqueue.empty():
-                self._refuse(self._aqueue.get_nowait())
         self._refuse_left()
 
     def _refuse_left(self) -> None:
@@ -168,12 +166,13 @@ class ActorRunner:
             self._refuse(item)
 
     def _refuse(self, item: tuple) -> None:
+        """Answer a message that came after the stop as :meth:`_refused` answers one."""
         kind, header = item[0], item[1]
         if kind == "stop":
             if header is not None:
                 self.host.reply(header, True, None)  # stopped already
         elif kind != "supervise":  # a stopped actor supervises nothing
-            self.host.refuse(item)
+            self.host.reply_failure(header, self.failed or self.host.stopped_info(self.name))
 
     def supervise(self, failure: MeshFailure) -> None:
         """Run ``__supervise__(failure)`` (async actors: at once, even while an endpoint awaits)."""
@@ -210,7 +209,7 @@ class ActorRunner:
             kind, header, body, buffers = self._next_item()
             if kind == "stop":
                 self._stop_sync(header)
-                self._close()
+                self.close()
                 return
             try:
                 if kind == "supervise":
@@ -276,7 +275,7 @@ class ActorRunner:
             except BaseException:  # noqa: BLE001
                 pass
             loop.close()
-            self._close()
+            self.close()
 
     async def _dispatch(self) -> None:
         assert self._aqueue is not None
@@ -360,7 +359,10 @@ class ActorRunner:
             self._fail_unhandled(failure, None)
 
     async def _stop_async(self, header: CallHeader | None) -> None:
-        self.stopped = True
+        self.stopped = True  # from now on _pump refuses what comes; what it passed on already is refused here
+        assert self._aqueue is not None
+        while not self._aqueue.empty():
+            self._refuse(self._aqueue.get_nowait())
         tasks = [t for t in self._tasks if not t.done()]
         for task in tasks:
             task.cancel()
