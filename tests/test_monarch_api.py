@@ -137,6 +137,10 @@ def test_singleton_controller_is_found_from_the_client_and_from_actors(procs4):
     assert first.incr.call_one().get(timeout=T) == 42
     local = this_proc().spawn("local_counter", Counter, 3)
     assert local.pid.call_one().get(timeout=T) == os.getpid()
+    with pytest.raises(TypeError, match="the controller 'test_singleton' is a tests.monarch_actors.Counter, not a "
+                                        "tests.monarch_actors.Odd: .* give this one another name"):
+        get_or_spawn_controller("test_singleton", Odd).get(timeout=T)
+    assert first.incr.call_one().get(timeout=T) == 43  # the controller is as it was
 
 
 def test_spawn_returns_at_once_and_a_failing_constructor_reaches_the_hook(procs4, faults, tmp_path):

@@ -18,7 +18,8 @@ def get_or_spawn_controller(name: str, cls: type[A], /, *args: Any, **kwargs: An
     same name (their arguments are then ignored), from the client or from inside any actor.
 
     Raises (from ``get``): ValueError if the controller's constructor failed
-    (``"Failure on <name>: ..."``); TypeError/ValueError as ``spawn`` does for a bad class.
+    (``"Failure on <name>: ..."``); TypeError if ``name`` is a controller of another class;
+    TypeError/ValueError as ``spawn`` does for a bad class.
     """
     return backend.current().get_or_spawn_controller(name, cls, args, kwargs)
 

@@ -226,6 +226,10 @@ class ActorMeshes:
                 actor_id = self.spawn(CLIENT_MESH, [0], name, cls, args, kwargs, Extent({}), _CONTROLLERS, None)
                 mesh = ActorMesh(name, cls, CLIENT_MESH, Extent({}), Shape(Extent({}), [0]), actor_id=actor_id)
                 self.controllers[name] = mesh
+            elif _class_name(mesh._cls) != _class_name(cls):  # (by name: a class from a proc comes back a copy)
+                return Future.completed(error=TypeError(
+                    f"the controller {name!r} is a {_class_name(mesh._cls)}, not a {_class_name(cls)}: "
+                    f"get_or_spawn_controller finds one actor per name; give this one another name"))
             return Future.completed(mesh)
 
     # -- requests from actors in procs (``control`` messages) --------------------------------------
@@ -388,6 +392,10 @@ class ActorMeshes:
     def close(self) -> None:
         self._unsubscribe()
         self.hook.close()
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _process_status(cause: str, detail: str) -> str:
