@@ -42,7 +42,7 @@ _EXPORTS = {
     "ProcMesh": "monarch_nb.actor.mesh",
     "ActorMesh": "monarch_nb.actor.mesh",
     "this_host": "monarch_nb.actor.context",
-    "attach_to_workers": "monarch_nb.actor.attach",
+    "attach_to_workers": "monarch_nb.actor.host_attach",
     "run_worker_loop_forever": "monarch_nb.runtime.worker_loop",
     "this_proc": "monarch_nb.actor.context",
     "context": "monarch_nb.actor.context",
@@ -73,7 +73,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
 
 if TYPE_CHECKING:
-    from .actor.attach import attach_to_workers
+    from .actor.host_attach import attach_to_workers
     from .actor.context import context, current_actor_name, current_rank, current_size, this_host, this_proc
     from .actor.endpoint import Accumulator, Actor, Endpoint, as_endpoint, concurrent_endpoint, endpoint, send
     from .actor.failure import MeshFailure

@@ -51,6 +51,18 @@ def faults():
     ma.unhandled_fault_hook = saved
 
 
+def test_a_monarch_name_not_provided_says_what_to_use_instead():
+    from monarch_nb.actor import attach_to_workers  # imports the module that defines it
+
+    assert callable(attach_to_workers)
+    with pytest.raises(ImportError, match="does not provide Monarch's 'attach': hosts are started by worker loops"):
+        from monarch_nb.actor import attach  # noqa: F401
+    with pytest.raises(ImportError, match="'ProcId': Rust runtime identities have no counterpart"):
+        from monarch_nb.actor import ProcId  # noqa: F401
+    with pytest.raises(AttributeError):
+        ma.no_such_name  # noqa: B018 (any other name is an AttributeError, as for any module)
+
+
 def test_every_monarch_name_imports_from_the_facade():
     import monarch_nb
 

@@ -37,7 +37,7 @@ _EXPORTS = {
     **dict.fromkeys(["get_or_spawn_controller", "shutdown_context"], "monarch_nb.actor.singletons"),
     **dict.fromkeys(["ActorError", "SupervisionError"], "monarch_nb.errors"),
     "Future": "monarch_nb.actor.future",
-    "attach_to_workers": "monarch_nb.actor.attach",
+    "attach_to_workers": "monarch_nb.actor.host_attach",
     # the facade re-exports Monarch's name for the worker loop; no actor module imports the runtime
     "run_worker_loop_forever": "monarch_nb.runtime.worker_loop",
     "MeshFailure": "monarch_nb.actor.failure",
@@ -63,6 +63,17 @@ if TYPE_CHECKING:
     from .shape import Extent, Point
     from .singletons import get_or_spawn_controller, shutdown_context
     from .value_mesh import ValueMesh
-    from .attach import attach_to_workers
+    from .host_attach import attach_to_workers
 
-__getattr__, __dir__ = lazy_exports("monarch_nb.actor", _EXPORTS, globals())
+_HOSTS = "hosts are started by worker loops (`monarch-nb worker`) and jobs (monarch_nb.job), then attach_to_workers"
+#: Monarch's names with no counterpart here, and what to use instead (README's table).
+_NOT_PROVIDED = {
+    **dict.fromkeys(["attach", "default_bootstrap_cmd", "hosts_from_config"], _HOSTS),
+    **dict.fromkeys(["enable_transport", "ChannelTransport"], 'monarch_nb.configure(transport="tcp") for TCP on one host'),
+    "debug_controller": "debugging is %mesh debug (post-mortem and live pdb, stacks)",
+    **dict.fromkeys(["get_meter", "span", "traced"], "Monarch's telemetry has no counterpart"),
+    **dict.fromkeys(["ProcId", "Uid"], "Rust runtime identities have no counterpart"),
+    "returns_future": "every adverb already returns a Future (get() or await it)",
+}
+
+__getattr__, __dir__ = lazy_exports("monarch_nb.actor", _EXPORTS, globals(), _NOT_PROVIDED)

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 from ..actor import backend
-from ..actor.attach import attach_to_workers
+from ..actor.host_attach import attach_to_workers
 from ..actor.mesh import HostMesh
 
 __all__ = ["Job", "JobState", "job_load", "DEFAULT_STATE_PATH", "read_announcement", "worker_argv", "start_announced",

@@ -121,7 +121,7 @@ def resolve(hosts: str | None, job: str | None, ca: str | None, mesh: str | None
 
 
 def _from_workers(workers: list[str], ca: str | None) -> Placement:
-    from ..actor.attach import attach_to_workers
+    from ..actor.host_attach import attach_to_workers
     from ..runtime.worker_loop import is_loopback
 
     remote = [w for w in workers if not is_loopback(w)]
