@@ -19,6 +19,10 @@ __all__ = ["Future"]
 
 R = TypeVar("R")
 
+#: What a call still pending means for the next ones (a wait for it timed out or was interrupted).
+_BEHIND = ("; an endpoint still running keeps its actor's later calls waiting behind it "
+           "(cancel() drops the reply; it does not stop the endpoint)")
+
 
 class Future(Generic[R]):
     """The eventual value of a remote call (or of a stop, a port receive, an accumulation).
@@ -56,22 +60,26 @@ class Future(Generic[R]):
 
         Raises:
             TimeoutError: no reply within ``timeout``; the call stays pending (get it again later,
-                or :meth:`cancel` it) and the mesh stays usable.
+                or :meth:`cancel` it); its actor may still run it, and run its later calls after it.
+            KeyboardInterrupt: the wait was interrupted; the call stays pending (a note says so).
             ActorError: the endpoint raised on a rank.
             SupervisionError: the actor, or a proc holding it, failed.
             concurrent.futures.CancelledError: the call was cancelled.
         """
         inner = self._inner
         wait = timeout
-        if self._lead is not None and not inner.done():
-            self._lead(inner.done, timeout)
-            if not inner.done() and timeout is not None:
-                wait = 0  # the wait already took its time
         try:
+            if self._lead is not None and not inner.done():
+                self._lead(inner.done, timeout)
+                if not inner.done() and timeout is not None:
+                    wait = 0  # the wait already took its time
             return inner.result(wait)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"no reply within {timeout} s; the call is still pending "
-                               "(get it again, or cancel() it); the mesh is still usable") from None
+            raise TimeoutError(f"no reply within {timeout} s; the call is still pending (get it again, or cancel() it){_BEHIND}") from None
+        except KeyboardInterrupt as exc:
+            if not inner.done() and hasattr(exc, "add_note"):  # (Python 3.11+) the user's next call would wait unexplained
+                exc.add_note(f"monarch_nb: the interrupted call is still pending{_BEHIND}")
+            raise
 
     def result(self, timeout: float | None = None) -> R:
         """Same as :meth:`get`."""
