@@ -200,7 +200,7 @@ def check_actor_class(cls: type) -> None:
         (asynchronous if prop.is_async or prop.concurrent else sync).append(name)
     if sync and asynchronous:
         raise ValueError(
-            f"{cls} mixes both async and sync endpoints.Synchronous endpoints cannot be mixed with asynchronous "
+            f"{cls} mixes both async and sync endpoints. Synchronous endpoints cannot be mixed with asynchronous "
             f"ones in one actor: make them all `def` or all `async def` (sync: {sorted(sync)} async: {sorted(asynchronous)})"
         )
     cleanup = _user_method(cls, "__cleanup__")
@@ -255,7 +255,8 @@ class Endpoint(Generic[P, R]):
         if size != 1:
             raise ValueError(
                 f"call_one requires exactly 1 actor, but mesh has {size} "
-                f"(dims {dict(self._mesh.extent)}); slice it first, e.g. .slice(**{{...: 0}}), or use call()"
+                f"(dims {dict(self._mesh.extent)}); slice it first, e.g. "
+                f".slice({next(iter(self._mesh.extent), 'gpus')}=0), or use call()"
             )
         self._check(args, kwargs)
         future: Future[R] = self._send(args, kwargs, targets=None, single=True)

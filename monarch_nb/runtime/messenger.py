@@ -108,7 +108,12 @@ class Messenger:
         """
         if args or kwargs:
             with collect_pickled_ports() as ports:
-                body, buffers = dumps((args, kwargs))
+                try:
+                    body, buffers = dumps((args, kwargs))
+                except SerializationError as exc:  # say whose arguments ("cannot pickle tuple value" says nothing)
+                    cause = exc.__cause__
+                    raise SerializationError(f"the arguments of {endpoint}() cannot be pickled: "
+                                             f"{type(cause).__name__}: {cause}") from cause
             if ports:
                 self._note_port_holders(ports, targets)
         else:
