@@ -35,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    tour = sub.add_parser("tour", help="a short tour of the actor API on local worker processes (no training)")
+    tour = sub.add_parser("tour", help="a short tour of the actor API on local worker processes (no training)",
+                          description="Spawn local worker procs, call an actor mesh, kill one rank (SIGKILL) and see "
+                          "the others answer, then restart it in place: Monarch's actor API in a few seconds, no GPU.")
     tour.add_argument("--procs", type=positive_int, default=4, help="number of worker processes (default 4)")
     tour.set_defaults(func=_tour)
-    kernel = sub.add_parser("install-kernel", help='install the Jupyter kernelspec "Monarch (Python 3)" (ipykernel with monarch_nb loaded)')
+    kernel = sub.add_parser("install-kernel", help='install the Jupyter kernelspec "Monarch (Python 3)" (ipykernel with monarch_nb loaded)',
+                            description='Install the Jupyter kernelspec "Monarch (Python 3)": an ipykernel that loads '
+                            "monarch_nb's magics (%%mesh, %mesh) at start. Pick it in Jupyter's kernel menu.")
     where = kernel.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="install for this user (~/.local/share/jupyter)")
     where.add_argument("--sys-prefix", action="store_true", help="install into this environment (the default)")
@@ -52,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--hmac-only", action="store_true", help="one key file: signed, not encrypted")
     keys.set_defaults(func=_keys)
     worker = sub.add_parser("worker", help="serve as a host of a cluster: wait for a controller, run its procs",
-                            description="Listen for a controller (attach_to_workers, %%mesh start --hosts, a job) "
+                            description="Listen for a controller (attach_to_workers, %mesh start --hosts, a job) "
                             "and run its procs on this host; when it is gone, wait for the next.")
     worker.add_argument("--address", required=True, metavar="tcp://HOST:PORT", help="where to listen (an address of this host)")
     trust = worker.add_mutually_exclusive_group()

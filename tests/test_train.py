@@ -76,6 +76,23 @@ def test_cli_bad_inputs(argv, message, capsys, tmp_path):
     assert _meshes() == before  # nothing was spawned
 
 
+def test_cli_demo_with_too_few_procs_for_its_own_faults_says_so(capsys):
+    from monarch_nb.cli import main
+
+    before = _meshes()
+    assert main(["demo", "--no-progress", "--procs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("monarch-nb demo: error: its built-in faults (kill@120:rank=2, hang@200:rank=1) need --procs 3")
+    assert _meshes() == before
+
+
+def test_cli_run_without_a_script_asks_for_one(capsys):
+    from monarch_nb.cli import main
+
+    assert main(["run", "--procs", "2"]) == 2
+    assert "monarch-nb run: error: which script?" in capsys.readouterr().err
+
+
 def test_cli_unknown_workload_is_rejected_by_the_parser(capsys):
     from monarch_nb.cli import main
 

@@ -93,7 +93,8 @@ def trust_for(address: str, ca: str | None) -> Trust:
     if not is_loopback(address):
         raise ValueError(
             f"refusing to listen on {address} without a cluster key: anyone who can reach it could run code here. "
-            "Make keys with `monarch-nb keys DIR`, copy DIR to every host, and pass ca=DIR (--curve-keys DIR)"
+            "Make keys with `monarch-nb keys DIR`, copy DIR to every host, and pass it: "
+            "`monarch-nb worker --curve-keys DIR` on the command line, ca=DIR in Python"
         )
     return Trust(LOOPBACK_KEY, source="loopback")
 

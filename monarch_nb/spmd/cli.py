@@ -61,7 +61,7 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     where.add_argument("--ca", metavar="DIR", help="with --hosts: the cluster's keys (`monarch-nb keys DIR`)")
     where.add_argument("--job", metavar="FILE", help="run on the hosts of a saved job (.monarch/job_state.json)")
     where.add_argument("--mesh", metavar="NAME", help="with --job: which of its host meshes (default: its first)")
-    p.add_argument("script", help="the script (a path; it must exist on every host)")
+    p.add_argument("script", nargs="?", help="the script (a path; it must exist on every host)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     p.set_defaults(func=run_cli)
     return p
@@ -70,6 +70,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 def run_cli(args: argparse.Namespace) -> int:
     from ..job.placement import run_placed
 
+    if args.script is None:  # (argparse would call the optional ARGS required too)
+        print("monarch-nb run: error: which script? e.g. monarch-nb run --procs 4 train.py (see monarch-nb run --help)",
+              file=sys.stderr)
+        return 2
     if not os.path.isfile(args.script):
         print(f"monarch-nb run: error: no script {args.script!r} (see monarch-nb run --help)", file=sys.stderr)
         return 2

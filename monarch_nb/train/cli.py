@@ -120,7 +120,14 @@ def _train(args: argparse.Namespace, placement) -> int:
             parallelism=args.parallelism,
         )
     except (ValueError, FileNotFoundError) as exc:
-        print(f"monarch-nb train: error: {exc}", file=sys.stderr)
+        why = str(exc)
+        if not args.fault and args.default_faults and why.startswith("fault "):  # the demo's own faults, not the user's
+            from ..faults.spec import parse_fault
+
+            least = 1 + max(parse_fault(f).rank or 0 for f in args.default_faults)
+            why = (f"its built-in faults ({', '.join(args.default_faults)}) need --procs {least} or more; "
+                   f"pass --procs {least}, or faults of your own with --fault")
+        print(f"monarch-nb {getattr(args, 'command', 'train')}: error: {why}", file=sys.stderr)
         return 2
     if placement.host_mesh is not None:
         print(f"training on {placement.where}", file=sys.stderr)
