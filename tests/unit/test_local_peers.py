@@ -16,6 +16,8 @@ import pytest
 from monarch_nb.actor import Actor, endpoint
 from monarch_nb.actor.shape import Extent
 from monarch_nb.runtime import actor_host
+from monarch_nb.runtime.actor_host import HOLD_FOR_SPAWN_S
+from monarch_nb.runtime.actors import STOP_GRACE_S
 from monarch_nb.runtime.actor_host import ActorHost
 from monarch_nb.runtime.proc_link import AgentLink, link_to_agent
 from monarch_nb.transport.channel import Channel
@@ -262,8 +264,10 @@ def test_a_peers_call_for_a_stopped_actor_waits_for_a_new_spawn_of_its_id():
         actors.host.dispatch({"kind": "stop_actors", "actor": "c", "ep": "", "cid": "c:stop", "idx": -2,
                               "reply_to": "elsewhere"}, b"", [])
         _wait(lambda: "c" in actors.host._tombstones)
+        assert [delay for delay, _ in actors.timers] == [STOP_GRACE_S]  # the stop's grace (it stopped in time)
         actors.call("c", 2)
-        assert len(actors.answered()) == 1 and len(actors.timers) == 1, "held for a spawn"
+        assert len(actors.answered()) == 1 and [delay for delay, _ in actors.timers] == [STOP_GRACE_S, HOLD_FOR_SPAWN_S], \
+            "held for a spawn"
         actors.spawn("c")
         _wait(lambda: len(actors.answered()) == 2)
         assert actors.answered()[1] == (2, True, 2)
