@@ -158,6 +158,34 @@ def _hold_in_cleanup(marker_dir: str) -> None:
         time.sleep(0.01)
 
 
+class SelfCaller(Actor):
+    """Calls the mesh it is given (its own, or a slice of it) and waits for the reply."""
+
+    @endpoint
+    def ok(self) -> str:
+        return "ok"
+
+    @endpoint
+    def wait_for(self, mesh) -> list:
+        return list(mesh.ok.call().get(timeout=60).values())
+
+
+class AsyncSelfCaller(Actor):
+    """SelfCaller with async endpoints: ``await`` in a plain endpoint and in a concurrent one."""
+
+    @endpoint
+    async def ok(self) -> str:
+        return "ok"
+
+    @endpoint
+    async def wait_for(self, mesh) -> list:
+        return list((await mesh.ok.call()).values())
+
+    @concurrent_endpoint
+    async def wait_concurrently(self, mesh) -> list:
+        return list((await mesh.ok.call()).values())
+
+
 class Fixed(Actor):
     def __init__(self, bad_ranks: list, marker_dir: str):
         pass

@@ -31,8 +31,8 @@ from monarch_nb.actor import (
 
 from .conftest import hang_deadline_s, pid_alive, wait_until
 from .monarch_actors import (
-    AsyncHeldCleanup, AsyncWorker, BadOnRank, ControllerUser, Counter, Finalized, Fixed, HeldCleanup, Logs, Odd, Owner,
-    Ported, Raiser, Sender,
+    AsyncHeldCleanup, AsyncSelfCaller, AsyncWorker, BadOnRank, ControllerUser, Counter, Finalized, Fixed, HeldCleanup,
+    Logs, Odd, Owner, Ported, Raiser, SelfCaller, Sender,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -219,6 +219,25 @@ def test_a_stop_whose_cleanup_does_not_return_ends_after_its_grace_and_later_cal
         assert time.monotonic() - t0 < 5
     finally:
         (tmp_path / "release").write_text("go")
+
+
+@pytest.mark.parametrize("cls", [SelfCaller, AsyncSelfCaller], ids=["sync", "async"])
+def test_an_actor_that_waits_for_its_own_endpoint_is_told_at_once_not_left_hanging(procs4, cls):
+    """Its one message at a time would make the wait endless (Monarch's actors hang there): the
+    wait raises at once, and the actor goes on serving; a call to another rank of its own mesh,
+    and (async) an await from a concurrent endpoint, wait as ever."""
+    actors = procs4.spawn("selfish", cls)
+    me, other = actors.slice(gpus=0), actors.slice(gpus=1)
+    t0 = time.monotonic()
+    with pytest.raises(ActorError, match="this actor is waiting for a reply from itself, which never comes"):
+        me.wait_for.call_one(me).get(timeout=T)
+    with pytest.raises(ActorError, match="waiting for a reply from itself"):
+        me.wait_for.call_one(actors).get(timeout=T)  # the whole mesh, itself among it
+    assert time.monotonic() - t0 < 10
+    assert me.ok.call_one().get(timeout=T) == "ok"  # it goes on
+    assert me.wait_for.call_one(other).get(timeout=T) == ["ok"]
+    if cls is AsyncSelfCaller:
+        assert me.wait_concurrently.call_one(actors).get(timeout=T) == ["ok"] * 4
 
 
 def test_spawn_and_adverbs_forward_any_keyword(procs4):

@@ -55,6 +55,9 @@ class Instance:
         self.python = python
         self._display = display
         self._abort: Callable[[str | None], None] | None = None  # set by the runtime: abort(reason)
+        #: set by the runtime: ``waits_on_itself(awaiting)``, True if a wait for a reply now, on
+        #: the calling thread (awaiting: in the calling task), holds up this actor's next message
+        self._waits_on_itself: Callable[[bool], bool] | None = None
 
     @property
     def actor_id(self) -> str:

@@ -19,6 +19,11 @@ __all__ = ["Future"]
 
 R = TypeVar("R")
 
+#: Why an actor's wait for its own endpoint's reply is refused (it would never end).
+_WAITS_ON_ITSELF = ("this actor is waiting for a reply from itself, which never comes: it handles one message at a "
+                    "time, and the one waiting is still running. Run the code directly (a plain method both "
+                    "endpoints call), send without waiting (broadcast), or await it from a @concurrent_endpoint")
+
 #: What a call still pending means for the next ones (a wait for it timed out or was interrupted).
 _BEHIND = ("; an endpoint still running keeps its actor's later calls waiting behind it "
            "(cancel() drops the reply; it does not stop the endpoint)")
@@ -35,13 +40,15 @@ class Future(Generic[R]):
             (so the reply wakes the thread that waits for it); True once ``done()`` holds.
     """
 
-    __slots__ = ("_inner", "_on_cancel", "_lead")
+    __slots__ = ("_inner", "_on_cancel", "_lead", "_waits_on_itself")
 
     def __init__(self, inner: concurrent.futures.Future[R] | None = None, on_cancel: Callable[[], None] | None = None,
                  lead: Callable[..., bool] | None = None) -> None:
         self._inner: concurrent.futures.Future[R] = inner if inner is not None else concurrent.futures.Future()
         self._on_cancel = on_cancel
         self._lead = lead
+        #: set on a call an actor made to itself: ``waits_on_itself(awaiting)`` (see ``Instance``)
+        self._waits_on_itself: Callable[[bool], bool] | None = None
 
     @classmethod
     def completed(cls, value: Any = None, error: BaseException | None = None) -> "Future[Any]":
@@ -62,12 +69,15 @@ class Future(Generic[R]):
             TimeoutError: no reply within ``timeout``; the call stays pending (get it again later,
                 or :meth:`cancel` it); its actor may still run it, and run its later calls after it.
             KeyboardInterrupt: the wait was interrupted; the call stays pending (a note says so).
+            RuntimeError: an actor waits for a call to itself (it would wait forever).
             ActorError: the endpoint raised on a rank.
             SupervisionError: the actor, or a proc holding it, failed.
             concurrent.futures.CancelledError: the call was cancelled.
         """
         inner = self._inner
         wait = timeout
+        if self._waits_on_itself is not None and not inner.done() and self._waits_on_itself(False):
+            raise RuntimeError(_WAITS_ON_ITSELF)
         try:
             if self._lead is not None and not inner.done():
                 self._lead(inner.done, timeout)
@@ -125,6 +135,8 @@ class Future(Generic[R]):
         return asyncio.wrap_future(self._inner)
 
     def __await__(self) -> Generator[Any, None, R]:
+        if self._waits_on_itself is not None and not self._inner.done() and self._waits_on_itself(True):
+            raise RuntimeError(_WAITS_ON_ITSELF)
         return self.as_asyncio().__await__()
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ from ..supervision.policy import SupervisionPolicy
 from ..supervision.records import proc_identity
 from . import backend
 from .backend import Target
-from .context import CLIENT_MESH
+from .context import CLIENT_MESH, context
 from .endpoint import Endpoint, EndpointProperty, NotAnEndpoint, check_actor_class, endpoints_of
 from .failure import note_client_loop
 from .future import Future
@@ -479,10 +479,16 @@ class ActorMesh(MeshBase, Generic[A]):
         if self._sliced:
             message = (self._shape.extent, list(range(len(everyone))) if targets is None else list(targets))
         note_client_loop()
-        return runtime.send(
+        sent = runtime.send(
             chosen, self._id, endpoint, args, kwargs, extent=None if single else self.extent, want_reply=want_reply,
             stream=stream, port=port, message_extent=message, as_endpoint=as_endpoint, display=self._display,
         )
+        me = context().actor_instance
+        if me.mesh_id == self._id and me._waits_on_itself is not None and sent is not None and port is None \
+                and me.proc_mesh_name == self._proc_mesh and any(t.rank == me.proc_rank for t in chosen):
+            for future in sent if isinstance(sent, list) else (sent,):  # a call to itself: its wait is refused
+                future._waits_on_itself = me._waits_on_itself
+        return sent
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name}: {self._cls.__name__} {dict(self.extent)} on {self._proc_mesh}>"

@@ -402,6 +402,7 @@ class ActorRunner:
             self.host.mesh_name, self.host.rank, self.host.extent, display, self.host.python,
         )
         self.instance_ctx._abort = self.abort
+        self.instance_ctx._waits_on_itself = self.waits_on_itself
         self.endpoints = endpoints_of(cls)
         self._own_context = Context(self.instance_ctx, point)
         set_context(self._own_context)
@@ -470,6 +471,17 @@ class ActorRunner:
             self.fail(f"{info['type']}: {info['message']} (raised in {where})", "exception", exc, info, header=header)
             return
         self.host.reply(header, False, info)
+
+    def waits_on_itself(self, awaiting: bool) -> bool:
+        """Would a wait for a reply now, on the calling thread (``awaiting``: ``await`` in the
+        calling task), hold up this actor's own next message? It handles one at a time: a wait on
+        a sync actor's thread, a blocking ``get()`` on an async actor's loop, or the ``await`` of
+        an endpoint that is not concurrent, would wait for a message that cannot run until it ends."""
+        if threading.get_ident() != self._thread_id:
+            return False
+        if not awaiting or self._loop is None:
+            return True
+        return asyncio.current_task() is self._current_task
 
     def abort(self, reason: str | None = None) -> None:
         """``context().actor_instance.abort(reason)``: fail this actor now."""
