@@ -17,7 +17,10 @@ one get SupervisionError, its ``__cleanup__(exc)`` runs, and the controller is t
 (``actor_failed``), which tells the actor's owner. Reporting never ends an actor's thread.
 
 A stop ends it: messages queued behind the stop, and any that reach the runner after (a call
-racing the stop), are answered with the actor's tombstone (SupervisionError), never left unread.
+racing the stop), are answered as a stopped actor's (SupervisionError), never left unread. A
+stop whose endpoint or ``__cleanup__`` has not returned within :data:`STOP_GRACE_S` is answered
+anyway (:class:`~.actor_host.ActorHost`), and so is every message after it; that code goes on in
+its thread until it returns or the proc exits.
 """
 
 from __future__ import annotations
