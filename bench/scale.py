@@ -108,6 +108,7 @@ import monarch_nb  # noqa: E402
 from monarch_nb import Actor, endpoint  # noqa: E402
 from monarch_nb.config import config  # noqa: E402
 from monarch_nb.runtime.controller import Controller  # noqa: E402
+from monarch_nb.runtime.protocol import CallHeader  # noqa: E402
 from monarch_nb.runtime.hosts import LOCAL  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -209,6 +210,27 @@ while (packet := sock.recv(1 << 16)) != b"quit":
 """
 
 
+def _floor_env() -> dict[str, str]:
+    """The floors' workers' environment: this checkout's ``monarch_nb`` first on their path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def _floor_call_header(call: int, index: int, dst: str, seq: int) -> CallHeader:
+    """The header of the wire floors' ``call``-th call to worker ``index`` (as a proc's call header)."""
+    return {"kind": "call", "ep": "ping", "cid": f"c{call}", "idx": index, "src": "controller", "dst": dst, "seq": seq,
+            "reply_to": "controller"}
+
+
+def _end_floor_workers(workers: list[subprocess.Popen]) -> None:
+    """Wait for the floors' workers (told to quit) to exit; kill one that does not within 10 s."""
+    for worker in workers:
+        try:
+            worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
 def frame_packet(frames: list) -> bytes:
     """Frames as one packet: their count (1 byte), their sizes (``<u32`` each), their bytes."""
     frames = [bytes(f) for f in frames]
@@ -235,7 +257,7 @@ def packet_call_all_floor(n: int, calls: int) -> float:
     from monarch_nb.transport.wire import Signer, decode, encode
     key = os.urandom(32)
     signer = Signer(key)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = _floor_env()
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(n)]
     workers = []
     try:
@@ -256,9 +278,7 @@ def packet_call_all_floor(n: int, calls: int) -> float:
             t0 = time.perf_counter()
             for index, sock in enumerate(ours):
                 seq += 1
-                header = {"kind": "call", "ep": "ping", "cid": f"c{call}", "idx": index, "src": "controller",
-                          "dst": f"w{index}", "seq": seq, "reply_to": "controller"}
-                sock.send(frame_packet(encode(signer, header, body)))
+                sock.send(frame_packet(encode(signer, _floor_call_header(call, index, f"w{index}", seq), body)))
             answered = 0
             while answered < n:
                 for key_, _ in selector.select(120):
@@ -269,12 +289,7 @@ def packet_call_all_floor(n: int, calls: int) -> float:
             sock.setblocking(True)
             sock.send(b"quit")
     finally:
-        for worker in workers:
-            try:
-                worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        _end_floor_workers(workers)
         for mine, _ in pairs:
             mine.close()
     return statistics.median(samples[5:])
@@ -300,7 +315,7 @@ def raw_call_all_floor(n: int, calls: int, *, wire: bool = False) -> float:
     key = os.urandom(32)
     signer = Signer(key)
     worker = WIRE_WORKER if wire else RAW_WORKER
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = _floor_env()
     workers = [subprocess.Popen([sys.executable, "-c", worker, address, f"w{i}", key.hex()], env=env) for i in range(n)]
     try:
         if not router.poll(120_000):
@@ -316,9 +331,7 @@ def raw_call_all_floor(n: int, calls: int, *, wire: bool = False) -> float:
             for index, peer in enumerate(peers):
                 if wire:
                     seq += 1
-                    header = {"kind": "call", "ep": "ping", "cid": f"c{call}", "idx": index, "src": "controller",
-                              "dst": peer.decode(), "seq": seq, "reply_to": "controller"}
-                    router.send_multipart([peer, *encode(signer, header, body)])  # type: ignore[arg-type]
+                    router.send_multipart([peer, *encode(signer, _floor_call_header(call, index, peer.decode(), seq), body)])
                 else:
                     router.send_multipart([peer, message])
             for _ in peers:
@@ -329,12 +342,7 @@ def raw_call_all_floor(n: int, calls: int, *, wire: bool = False) -> float:
         for peer in peers:
             router.send_multipart([peer, b"quit"])
     finally:
-        for worker in workers:
-            try:
-                worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        _end_floor_workers(workers)
         router.close(linger=0)
         with contextlib.suppress(OSError):
             os.unlink(address.removeprefix("ipc://"))
