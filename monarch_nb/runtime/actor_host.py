@@ -159,7 +159,7 @@ class ActorHost:
             if self.runners.get(runner.name) is not runner:
                 return  # it stopped in time
             del self.runners[runner.name]
-            self._tombstones[runner.name] = runner.failed or self.stopped_info(runner.name)
+            self._tombstones[runner.name] = runner.tombstone()
         busy = runner.current[0] if runner.current is not None else "__cleanup__"
         log.warning("actor %s on %s did not stop within %.0f s (its %s has not returned): it is stopped now for its "
                     "callers; the %s goes on in its thread until it returns or the proc exits",
@@ -234,7 +234,7 @@ class ActorHost:
         with self._lock:
             if self.runners.get(runner.name) is runner:
                 del self.runners[runner.name]
-                self._tombstones[runner.name] = runner.failed or self.stopped_info(runner.name)
+                self._tombstones[runner.name] = runner.tombstone()
         if header is not None:
             self.reply(header, True, None)
 

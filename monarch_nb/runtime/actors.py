@@ -175,7 +175,7 @@ class ActorRunner:
             if header is not None:
                 self.host.reply(header, True, None)  # stopped already
         elif kind != "supervise":  # a stopped actor supervises nothing
-            self.host.reply_failure(header, self.failed or self.host.stopped_info(self.name))
+            self.host.reply_failure(header, self.tombstone())
 
     def supervise(self, failure: MeshFailure) -> None:
         """Run ``__supervise__(failure)`` (async actors: at once, even while an endpoint awaits)."""
@@ -389,11 +389,16 @@ class ActorRunner:
         task.add_done_callback(self._tasks.discard)
 
     # -- shared ---------------------------------------------------------------------------------
+    def tombstone(self) -> dict:
+        """What a message for this actor gets once it failed or stopped: its failure's report, or
+        "was stopped" (plain data; the caller raises SupervisionError from it)."""
+        return self.failed or self.host.stopped_info(self.name)
+
     def _refused(self, header: CallHeader) -> bool:
         """A failed or stopped actor answers every message with SupervisionError."""
         if self.failed is None and not self.stopped and not self.abandoned:
             return False
-        self.host.reply_failure(header, self.failed or self.host.stopped_info(self.name))
+        self.host.reply_failure(header, self.tombstone())
         return True
 
     def _construct(self, header: CallHeader, body: Any, buffers: list) -> None:
