@@ -76,8 +76,7 @@ class Future(Generic[R]):
         """
         inner = self._inner
         wait = timeout
-        if self._waits_on_itself is not None and not inner.done() and self._waits_on_itself(False):
-            raise RuntimeError(_WAITS_ON_ITSELF)
+        self._refuse_a_wait_on_itself(awaiting=False)
         try:
             if self._lead is not None and not inner.done():
                 self._lead(inner.done, timeout)
@@ -135,9 +134,14 @@ class Future(Generic[R]):
         return asyncio.wrap_future(self._inner)
 
     def __await__(self) -> Generator[Any, None, R]:
-        if self._waits_on_itself is not None and not self._inner.done() and self._waits_on_itself(True):
-            raise RuntimeError(_WAITS_ON_ITSELF)
+        self._refuse_a_wait_on_itself(awaiting=True)
         return self.as_asyncio().__await__()
+
+    def _refuse_a_wait_on_itself(self, awaiting: bool) -> None:
+        """Raise RuntimeError if this is an actor's call to itself that the wait about to begin
+        (``awaiting``: an ``await``) would keep from ever running."""
+        if self._waits_on_itself is not None and not self._inner.done() and self._waits_on_itself(awaiting):
+            raise RuntimeError(_WAITS_ON_ITSELF)
 
     def __repr__(self) -> str:
         state = "cancelled" if self._inner.cancelled() else "done" if self.done() else "pending"
